@@ -1,0 +1,32 @@
+"""jremat: automatic, budgeted rematerialization and gradient accumulation for JAX and Flax.
+
+    trace -> solve (planners) -> Plan -> rewrite (jax.checkpoint per segment) -> verify (XLA)
+"""
+
+from . import policies
+from .budget import parse_budget
+from .decorator import auto
+from .errors import InfeasibleBudgetError, PlanMismatchError
+from .measure import Measurement, measure
+from .plan import Plan, Segment
+from .planning import plan
+from .rewrite import rematerialize
+from .trace import Graph, trace
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Graph",
+    "InfeasibleBudgetError",
+    "Measurement",
+    "Plan",
+    "PlanMismatchError",
+    "Segment",
+    "auto",
+    "measure",
+    "parse_budget",
+    "plan",
+    "policies",
+    "rematerialize",
+    "trace",
+]

@@ -1,0 +1,112 @@
+"""Every difference between the JAX versions jremat supports (0.10.x and 0.12.x) lives here."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.extend.core as jex_core
+import numpy as np
+
+JAX_VERSION: tuple[int, ...] = tuple(int(p) for p in jax.__version__.split(".")[:3] if p.isdigit())
+
+#: jax 0.10's XLA:CPU pipeline expands the optimization barrier that `jax.checkpoint` puts on a
+#: recompute, then CSE merges the recompute back into the forward pass and the scheduler hoists
+#: what is left: a 16-layer per-layer `nothing_saveable` chain compiles to the same 264 MiB of
+#: temp as no remat (jax 0.12: 144 MiB). There, segments that save nothing use
+#: `rewrite.tied_remat`, whose recompute depends on the incoming cotangent (measured: 144 MiB).
+TIED_RECOMPUTE = JAX_VERSION < (0, 11)
+
+#: Primitives whose body jremat inlines into the surrounding graph (a plain call, no semantics).
+INLINE_PRIMITIVES = frozenset({"jit", "pjit", "closed_call", "core_call"})
+#: Names the checkpoint primitive has carried.
+CHECKPOINT_PRIMITIVES = frozenset({"checkpoint", "remat", "remat2"})
+
+
+def bind_params(eqn: Any) -> dict[str, Any]:
+    """Parameters with which `eqn.primitive.bind` re-evaluates `eqn`."""
+    params = eqn.primitive.get_bind_params(eqn.params)
+    if isinstance(params, tuple):  # older signature: (subfuns, params)
+        subfuns, params = params
+        if subfuns:
+            raise NotImplementedError(f"primitive {eqn.primitive.name} needs subfuns")
+    return dict(params)
+
+
+def bind(eqn: Any, invals: list[Any]) -> list[Any]:
+    """Re-evaluate one equation on new inputs; always returns a list of outputs."""
+    out = eqn.primitive.bind(*invals, **bind_params(eqn))
+    return list(out) if eqn.primitive.multiple_results else [out]
+
+
+def subjaxprs(eqn: Any) -> list[Any]:
+    """The open jaxprs held in an equation's parameters (scan body, cond branches, ...)."""
+    return list(jex_core.jaxprs_in_params(eqn.params))
+
+
+def closed(jaxpr: Any) -> tuple[Any, list[Any]]:
+    """Split a (possibly closed) jaxpr into its open jaxpr and its constants."""
+    if hasattr(jaxpr, "consts") and hasattr(jaxpr, "jaxpr"):
+        return jaxpr.jaxpr, list(jaxpr.consts)
+    return jaxpr, []
+
+
+def inner_call_jaxpr(eqn: Any) -> tuple[Any, list[Any]] | None:
+    """The body of an inlinable call equation (jit/closed_call), as (open jaxpr, consts)."""
+    for key in ("jaxpr", "call_jaxpr"):
+        if key in eqn.params:
+            return closed(eqn.params[key])
+    return None
+
+
+def scan_length(eqn: Any) -> int:
+    return int(eqn.params.get("length", 1))
+
+
+def aval_nbytes(aval: Any) -> int:
+    """Bytes one value of abstract value `aval` occupies (PRNG keys count their key data)."""
+    shape = getattr(aval, "shape", ())
+    dtype = getattr(aval, "dtype", None)
+    size = int(np.prod(shape, dtype=np.int64)) if shape else 1
+    if dtype is None:
+        return 0
+    try:
+        itemsize = np.dtype(dtype).itemsize
+    except TypeError:  # extended dtypes such as PRNG keys
+        impl = getattr(dtype, "_impl", None)
+        key_shape = getattr(impl, "key_shape", (2,))
+        itemsize = 4 * int(np.prod(key_shape))
+    return size * itemsize
+
+
+def is_float_dtype(dtype: Any) -> bool:
+    try:
+        return bool(jax.numpy.issubdtype(dtype, jax.numpy.inexact))
+    except TypeError:
+        return False
+
+
+def remat3_available() -> bool:
+    """Whether this jax has the `jax_remat3` upgrade flag (JAX tests its remat both ways)."""
+    return "jax_remat3" in jax.config.values
+
+
+def source_summary(eqn: Any) -> str:
+    """'file:line (function)' of the user code that emitted `eqn`, or '' when unknown."""
+    try:
+        from jax._src import source_info_util
+
+        return source_info_util.summarize(eqn.source_info)
+    except Exception:  # noqa: BLE001 - source info is best effort across versions
+        return ""
+
+
+def is_tracer(x: Any) -> bool:
+    return isinstance(x, jax.core.Tracer)
+
+
+def name_stack(eqn: Any) -> str:
+    try:
+        return str(eqn.source_info.name_stack)
+    except Exception:  # noqa: BLE001
+        return ""

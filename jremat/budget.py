@@ -1,0 +1,118 @@
+"""Budgets: what the caller asks for, and its translation into XLA temp bytes.
+
+Accepted forms:
+  * a float in (0, 1]: a fraction of the unrematerialized program's compiled temp bytes;
+  * an int > 0: a cap on the compiled footprint (argument + output - alias + temp) in bytes;
+  * a string with a unit, e.g. "512MiB", "8GB", "1.5 GiB" (B, KB/MB/GB/TB powers of 1000,
+    KiB/MiB/GiB/TiB powers of 1024): a footprint cap;
+  * "auto": the device's free memory (GPU/TPU `memory_stats()`; on CPU, where that is None, the
+    host's available memory from psutil) as a footprint cap.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+from typing import Any
+
+ACCEPTED = (
+    "a float in (0, 1] (fraction of the unrematerialized temp bytes), an int > 0 (footprint "
+    'bytes), a string such as "512MiB" or "8GB", or "auto" (free device memory)'
+)
+_UNITS = {
+    "": 1, "b": 1,
+    "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
+    "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40,
+}
+_PATTERN = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:e[+-]?[0-9]+)?)\s*([a-z]*)\s*$", re.IGNORECASE)
+
+
+@dataclasses.dataclass(frozen=True)
+class Budget:
+    """A parsed budget: exactly one of `fraction` (of temp) or `footprint_bytes` is set."""
+
+    raw: Any
+    fraction: float | None = None
+    footprint_bytes: int | None = None
+
+    def temp_bytes(self, baseline_temp: int, fixed_bytes: int) -> float:
+        """The budget as XLA temp bytes, given the unrematerialized temp and the fixed bytes
+        (argument + output - alias) of the step."""
+        if self.fraction is not None:
+            return self.fraction * baseline_temp
+        return float(self.footprint_bytes - fixed_bytes)
+
+    def in_caller_unit(self, temp_bytes: int, baseline_temp: int, fixed_bytes: int) -> Any:
+        """Express compiled `temp_bytes` in the unit the caller used (fraction or bytes)."""
+        if self.fraction is not None:
+            return math.ceil(temp_bytes / baseline_temp * 1e4) / 1e4 if baseline_temp else 1.0
+        return int(temp_bytes + fixed_bytes)
+
+    def describe(self, value: Any) -> str:
+        if self.fraction is not None:
+            return f"{value:.4g} (a fraction of the unrematerialized temp bytes)"
+        return f"{value:,} bytes ({value / 2**20:.2f} MiB) of footprint"
+
+
+def _bad(budget: Any, why: str) -> ValueError:
+    return ValueError(f"budget={budget!r} is invalid: {why}. Accepted: {ACCEPTED}.")
+
+
+def parse_budget(budget: Any) -> Budget:
+    """Parse a budget in any accepted form (see the module docstring).
+
+    Raises:
+      ValueError: budget <= 0, a float > 1, NaN/inf, a bool, a non-numeric value, or an
+        unparsable string; the message names the accepted forms.
+    """
+    if isinstance(budget, Budget):
+        return budget
+    if isinstance(budget, bool) or budget is None:
+        raise _bad(budget, "expected a number or a string")
+    if isinstance(budget, str):
+        if budget.strip().lower() == "auto":
+            return Budget(budget, footprint_bytes=free_device_bytes())
+        m = _PATTERN.match(budget)
+        if not m or m.group(2).lower() not in _UNITS:
+            raise _bad(budget, "could not read a size with a unit from the string")
+        value = float(m.group(1)) * _UNITS[m.group(2).lower()]
+        if value <= 0:
+            raise _bad(budget, "it must be positive")
+        return Budget(budget, footprint_bytes=int(value))
+    if isinstance(budget, int) or (hasattr(budget, "dtype") and "int" in str(budget.dtype)):
+        if int(budget) <= 0:
+            raise _bad(budget, "it must be positive")
+        return Budget(int(budget), footprint_bytes=int(budget))
+    if isinstance(budget, float) or hasattr(budget, "__float__"):
+        try:
+            f = float(budget)
+        except (TypeError, ValueError):
+            raise _bad(budget, "expected a number or a string") from None
+        if not math.isfinite(f) or f <= 0:
+            raise _bad(budget, "a fraction must be finite and > 0")
+        if f > 1:
+            raise _bad(budget, "a float is a fraction and must be <= 1 (for bytes pass an int)")
+        return Budget(f, fraction=f)
+    raise _bad(budget, f"expected a number or a string, got {type(budget).__name__}")
+
+
+def free_device_bytes() -> int:
+    """Free memory of the default device in bytes.
+
+    On GPU/TPU: `bytes_limit - bytes_in_use` from `jax.devices()[0].memory_stats()`. On CPU,
+    where `memory_stats()` is None, the host's available memory (`psutil.virtual_memory()`).
+    """
+    import jax
+
+    stats = None
+    try:
+        stats = jax.devices()[0].memory_stats()
+    except Exception:  # noqa: BLE001 - some backends raise instead of returning None
+        stats = None
+    if stats and "bytes_limit" in stats:
+        return int(stats["bytes_limit"] - stats.get("bytes_in_use", 0))
+    import psutil
+
+    return int(psutil.virtual_memory().available)

@@ -1,0 +1,178 @@
+"""Per-equation cost model: FLOPs, and which primal values an equation's VJP keeps (residuals).
+
+FLOPs table (multiply-add = 2 FLOPs, as XLA's `cost_analysis` counts):
+
+==========================  ===============================================================
+primitive                   FLOPs
+==========================  ===============================================================
+dot_general                 2 x batch x lhs-free x rhs-free x contracted sizes (exact)
+conv_general_dilated        2 x output elements x (input features per group x kernel window)
+elementwise arithmetic      1 per output element (``add``, ``mul``, ``max``, ``select_n`` ...)
+transcendental              1 per output element (``exp``, ``tanh``, ``log``, ``erf`` ...)
+reductions, cumulatives     1 per input element (``reduce_sum``, ``reduce_max``, ``cumsum`` ...)
+data movement               0 (``reshape``, ``transpose``, ``broadcast_in_dim``, ``slice`` ...)
+scan                        body FLOPs x length
+cond                        the most expensive branch
+while                       one trip of cond + body (the trip count is unknown at trace time)
+checkpoint / custom_jvp/vjp the FLOPs of the inner jaxpr
+unknown primitive           1 per output element (conservative default, never a crash)
+==========================  ===============================================================
+
+Residual table: for reverse-mode AD, ``NEEDS_NOTHING`` primitives are linear (their transpose
+needs no primal value); ``NEEDS_OUTPUT`` ones keep their result (``tanh``' = 1 - tanh^2);
+every other primitive is assumed to keep its floating-point inputs (``mul``, ``dot_general``,
+``log`` ...), which is the conservative default for unknown primitives.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from . import _compat
+
+NEEDS_NOTHING = frozenset(
+    """add add_any sub neg reshape broadcast_in_dim transpose squeeze expand_dims
+    convert_element_type reduce_sum slice dynamic_slice dynamic_update_slice concatenate pad copy
+    copy_p real imag complex conj select_n gather scatter-add scatter_add iota stop_gradient
+    cumsum rev reduce_precision device_put sharding_constraint squeeze eq ne lt le gt ge and or
+    not xor shift_left shift_right_logical shift_right_arithmetic random_bits random_seed
+    random_wrap random_unwrap random_fold_in random_split threefry2x32 floor ceil round sign
+    is_finite argmax argmin population_count clz iota broadcast_to split mesh_cast
+    """.split()
+)
+NEEDS_OUTPUT = frozenset("tanh exp exp2 logistic sqrt rsqrt cbrt expm1 integer_pow_out".split())
+MOVEMENT = frozenset(
+    """reshape broadcast_in_dim transpose squeeze expand_dims convert_element_type slice
+    dynamic_slice dynamic_update_slice concatenate pad copy copy_p gather iota rev device_put
+    sharding_constraint random_wrap random_unwrap split mesh_cast stop_gradient""".split()
+)
+REDUCTIONS = frozenset(
+    """reduce_sum reduce_max reduce_min reduce_prod reduce_and reduce_or argmax argmin
+    cumsum cumprod cummax cummin cumlogsumexp reduce_precision""".split()
+)
+
+
+#: Elementwise (and broadcast/convert) primitives XLA fuses into the consumer's kernel; their
+#: results are not stored for the backward pass but recomputed from the fusion's inputs.
+FUSIBLE = frozenset(
+    """add add_any sub mul div neg max min exp exp2 log log1p expm1 tanh logistic sqrt rsqrt
+    cbrt pow integer_pow select_n convert_element_type erf erfc abs sign square
+    broadcast_in_dim reshape squeeze expand_dims eq ne lt le gt ge and or not is_finite
+    sin cos tan floor ceil round clamp nextafter rem copy copy_p stop_gradient
+    """.split()
+)
+
+
+def _size(aval: Any) -> int:
+    shape = getattr(aval, "shape", ())
+    return int(np.prod(shape, dtype=np.int64)) if shape else 1
+
+
+def dot_general_flops(eqn: Any) -> float:
+    (lc, _rc), (lb, _rb) = eqn.params["dimension_numbers"]
+    lhs = eqn.invars[0].aval.shape
+    out = _size(eqn.outvars[0].aval)
+    contracted = int(np.prod([lhs[d] for d in lc], dtype=np.int64)) if lc else 1
+    del lb
+    return 2.0 * out * contracted
+
+
+def conv_flops(eqn: Any) -> float:
+    rhs = eqn.invars[1].aval.shape
+    dn = eqn.params.get("dimension_numbers")
+    out = _size(eqn.outvars[0].aval)
+    # rhs spec: (out feature dim, in feature dim, spatial dims...)
+    if dn is not None and hasattr(dn, "rhs_spec"):
+        in_feat = rhs[dn.rhs_spec[1]]
+        window = int(np.prod([rhs[d] for d in dn.rhs_spec[2:]], dtype=np.int64))
+    else:
+        in_feat, window = rhs[1], int(np.prod(rhs[2:], dtype=np.int64))
+    return 2.0 * out * in_feat * window
+
+
+def eqn_flops(eqn: Any) -> float:
+    """FLOPs of one equation, nested bodies included (see the module's table)."""
+    name = eqn.primitive.name
+    if name == "dot_general":
+        return dot_general_flops(eqn)
+    if name == "conv_general_dilated":
+        return conv_flops(eqn)
+    if name in MOVEMENT:
+        return 0.0
+    if name in REDUCTIONS:
+        return float(sum(_size(v.aval) for v in eqn.invars))
+    subs = _compat.subjaxprs(eqn)
+    if subs:
+        costs = [jaxpr_flops(j) for j in subs]
+        if name == "scan":
+            return _compat.scan_length(eqn) * sum(costs)
+        if name == "cond":
+            return max(costs)
+        if name.startswith("custom_"):
+            return costs[0]
+        return float(sum(costs))
+    return float(sum(_size(v.aval) for v in eqn.outvars))
+
+
+def jaxpr_flops(jaxpr: Any) -> float:
+    jaxpr, _ = _compat.closed(jaxpr)
+    return float(sum(eqn_flops(e) for e in jaxpr.eqns))
+
+
+def residual_positions(eqn: Any) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(input positions, output positions) whose primal values the VJP of `eqn` keeps."""
+    name = eqn.primitive.name
+    if name in NEEDS_NOTHING or name in _compat.CHECKPOINT_PRIMITIVES:
+        return (), ()
+    if name in NEEDS_OUTPUT:
+        return (), (0,)
+    if name == "integer_pow":
+        return (0,), ()
+    if name == "select_n":
+        return (0,), ()
+    floats = tuple(
+        i
+        for i, v in enumerate(eqn.invars)
+        if _compat.is_float_dtype(getattr(v.aval, "dtype", None)) and not hasattr(v, "val")
+    )
+    if name == "mul" and len(floats) == 1:  # scaling by a constant is linear
+        return (), ()
+    return floats, ()
+
+
+def internal_residual_bytes(eqn: Any) -> int:
+    """Bytes a control-flow equation keeps inside itself for its backward pass.
+
+    A scan keeps every iteration's residuals stacked (length x body residuals); a cond the
+    largest branch's; a nested checkpoint only its inputs (counted by the caller).
+    """
+    name = eqn.primitive.name
+    if name in _compat.CHECKPOINT_PRIMITIVES:
+        return 0
+    subs = _compat.subjaxprs(eqn)
+    if not subs:
+        return 0
+    inner = [jaxpr_residual_bytes(j) for j in subs]
+    if name == "scan":
+        return _compat.scan_length(eqn) * sum(inner)
+    if name == "cond":
+        return max(inner)
+    return inner[0] if name.startswith("custom_") else sum(inner)
+
+
+def jaxpr_residual_bytes(jaxpr: Any) -> int:
+    """Bytes of the residuals the VJP of a whole jaxpr keeps (per the residual table)."""
+    jaxpr, _ = _compat.closed(jaxpr)
+    seen: set[int] = set()
+    total = 0
+    for eqn in jaxpr.eqns:
+        ins, outs = residual_positions(eqn)
+        for v in [eqn.invars[i] for i in ins] + [eqn.outvars[i] for i in outs]:
+            if hasattr(v, "val") or id(v) in seen:
+                continue
+            seen.add(id(v))
+            total += _compat.aval_nbytes(v.aval)
+        total += internal_residual_bytes(eqn)
+    return total

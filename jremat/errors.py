@@ -1,0 +1,24 @@
+"""Exceptions raised by jremat."""
+
+from __future__ import annotations
+
+
+class InfeasibleBudgetError(ValueError):
+    """The budget is below the smallest memory any plan reaches on this program.
+
+    Attributes:
+      budget: the budget the caller asked for, in the caller's unit.
+      smallest_reachable: the smallest budget that holds, in the caller's unit (a fraction of the
+        unrematerialized temp bytes when the budget was a fraction, else footprint bytes).
+      smallest_reachable_bytes: the compiled temp bytes of the smallest-memory plan.
+    """
+
+    def __init__(self, message: str, *, budget, smallest_reachable, smallest_reachable_bytes: int):
+        super().__init__(message)
+        self.budget = budget
+        self.smallest_reachable = smallest_reachable
+        self.smallest_reachable_bytes = smallest_reachable_bytes
+
+
+class PlanMismatchError(ValueError):
+    """A plan was made for another program (other shapes, dtypes or equations)."""

@@ -1,0 +1,165 @@
+"""Compile `jit(value_and_grad(fn))` and read XLA's memory and FLOP figures."""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+
+from . import _compat
+from .trace import normalize_argnums
+
+
+@dataclasses.dataclass(frozen=True)
+class Measurement:
+    """What XLA compiled for one training step `jit(value_and_grad(fn, argnums))`.
+
+    Attributes:
+      temp_bytes: XLA's packed peak of live temporaries (activations, residuals, gradients in
+        flight), in bytes: `memory_analysis().temp_size_in_bytes`.
+      footprint_bytes: argument + output - alias + temp bytes: the device memory of the step.
+      flops: `cost_analysis()["flops"]`, with every scan body multiplied by its trip count.
+      compile_seconds: wall seconds to lower and compile.
+      step_seconds: median wall seconds of one executed step over `runs`, or None.
+      argument_bytes, output_bytes, alias_bytes: the other terms of the footprint.
+    """
+
+    temp_bytes: int
+    footprint_bytes: int
+    flops: float
+    compile_seconds: float
+    step_seconds: float | None = None
+    argument_bytes: int = 0
+    output_bytes: int = 0
+    alias_bytes: int = 0
+
+
+def _check_scalar_output(fn: Callable[..., Any], args: Sequence[Any]) -> None:
+    out = jax.eval_shape(fn, *args)
+    leaves = jax.tree_util.tree_leaves(out)
+    ok = len(leaves) == 1 and leaves[0].shape == () and _compat.is_float_dtype(leaves[0].dtype)
+    if not ok:
+        shapes = [f"{x.dtype}{list(x.shape)}" for x in leaves]
+        raise TypeError(
+            "measure needs fn to return a scalar floating-point loss (it compiles "
+            f"jax.value_and_grad(fn)); fn returned {shapes or 'no arrays'}. Reduce the output "
+            "(for example with .mean()) or wrap fn in a loss."
+        )
+
+
+def compile_step(fn: Callable[..., Any], args: Sequence[Any], argnums: tuple[int, ...]) -> Any:
+    """Lower and compile `jit(value_and_grad(fn, argnums))` for `args` (arrays or avals)."""
+    nums = argnums[0] if len(argnums) == 1 else argnums
+    return jax.jit(jax.value_and_grad(fn, argnums=nums)).lower(*args).compile()
+
+
+def measure(
+    fn: Callable[..., Any], *args: Any, argnums: int | Sequence[int] = 0, runs: int = 0
+) -> Measurement:
+    """Compile one training step of `fn` and report XLA's memory and FLOPs.
+
+    Args:
+      fn: returns a scalar floating-point loss; positional array/pytree arguments.
+      *args: arguments (arrays, or `jax.ShapeDtypeStruct` when `runs == 0`).
+      argnums: arguments to differentiate (int or tuple of ints), as in `jax.grad`.
+      runs: when > 0, execute the compiled step `runs` times (after one warm-up) and report
+        the median wall seconds in `step_seconds`.
+
+    Returns:
+      A `Measurement`. Figures other than seconds are deterministic for a given program.
+
+    Raises:
+      TypeError: `fn` does not return a scalar float, or an argument at `argnums` has no
+        floating-point leaves.
+      ValueError: `argnums` out of range or `runs` negative.
+    """
+    from .trace import _check_differentiable
+
+    nums = normalize_argnums(argnums, len(args))
+    if not isinstance(runs, int) or runs < 0:
+        raise ValueError(f"runs must be a non-negative int, got {runs!r}")
+    _check_differentiable(args, nums)
+    _check_scalar_output(fn, args)
+    t0 = time.perf_counter()
+    compiled = compile_step(fn, args, nums)
+    compile_seconds = time.perf_counter() - t0
+    mem = compiled.memory_analysis()
+    temp = int(mem.temp_size_in_bytes)
+    arg, out, alias = (
+        int(mem.argument_size_in_bytes),
+        int(mem.output_size_in_bytes),
+        int(mem.alias_size_in_bytes),
+    )
+    flops = xla_flops(compiled) + scan_flops_correction(fn, args, nums)
+    step = None
+    if runs:
+        jax.block_until_ready(compiled(*args))
+        times = []
+        for _ in range(runs):
+            t = time.perf_counter()
+            jax.block_until_ready(compiled(*args))
+            times.append(time.perf_counter() - t)
+        step = statistics.median(times)
+    return Measurement(
+        temp_bytes=temp,
+        footprint_bytes=arg + out - alias + temp,
+        flops=flops,
+        compile_seconds=compile_seconds,
+        step_seconds=step,
+        argument_bytes=arg,
+        output_bytes=out,
+        alias_bytes=alias,
+    )
+
+
+def xla_flops(compiled: Any) -> float:
+    """`cost_analysis()["flops"]` of a compiled executable (0 when the backend reports none)."""
+    cost = compiled.cost_analysis()
+    if isinstance(cost, (list, tuple)):
+        cost = cost[0] if cost else {}
+    return float((cost or {}).get("flops", 0.0))
+
+
+def scan_flops_correction(fn: Callable[..., Any], args: Sequence[Any], nums: tuple[int, ...]):
+    """FLOPs XLA's count misses because it counts each scan body once, not once per trip.
+
+    Each scan body in the differentiated program is compiled on its own and its FLOPs are
+    added (length - 1) more times (nested scans recursively). `while` loops have no static
+    trip count and stay counted once.
+    """
+    nums_arg = nums[0] if len(nums) == 1 else nums
+    closed_jaxpr = jax.make_jaxpr(jax.value_and_grad(fn, argnums=nums_arg))(*args)
+    cache: dict[int, float] = {}
+    return _correction(_compat.closed(closed_jaxpr)[0], cache)
+
+
+def _correction(jaxpr: Any, cache: dict[int, float]) -> float:
+    total = 0.0
+    for eqn in jaxpr.eqns:
+        for sub in _compat.subjaxprs(eqn):
+            inner = _correction(sub, cache)
+            if eqn.primitive.name == "scan":
+                length = _compat.scan_length(eqn)
+                total += (length - 1) * _body_flops(eqn.params["jaxpr"], cache) + length * inner
+            else:
+                total += inner
+    return total
+
+
+def _body_flops(body: Any, cache: dict[int, float]) -> float:
+    key = id(body)
+    if key not in cache:
+        from jax.extend.core import jaxpr_as_fun
+
+        jaxpr, consts = _compat.closed(body)
+        import jax.extend.core as jc
+
+        closed_body = body if consts or hasattr(body, "consts") else jc.ClosedJaxpr(jaxpr, [])
+        avals = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in jaxpr.invars]
+        compiled = jax.jit(jaxpr_as_fun(closed_body)).lower(*avals).compile()
+        cache[key] = xla_flops(compiled)
+    return cache[key]

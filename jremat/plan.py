@@ -1,0 +1,168 @@
+"""`Plan`: where a program is cut into segments and what each segment saves."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from typing import Any
+
+from .trace import Graph
+
+#: `Segment.policy` value for a segment that is not checkpointed (keeps all its residuals).
+KEEP = "keep"
+#: `Segment.policy` value for a checkpointed segment that saves only `Segment.saved`.
+SAVE_NAMES = "names"
+
+
+@dataclasses.dataclass
+class Segment:
+    """Equations `[start, end)` of the traced graph under one checkpoint decision.
+
+    Attributes:
+      start, end: node indices; the segment holds nodes `start .. end-1`.
+      policy: `"keep"` (no checkpoint: every residual kept), `"names"` (`jax.checkpoint` saving
+        only the values in `saved`), or the name of a policy in `jremat.policies` (for example
+        `"dots_saveable"`), applied with `jax.checkpoint` to the segment.
+      saved: value ids tagged with `checkpoint_name` and saved (policy `"names"` only).
+      stored_bytes: predicted bytes this segment keeps from forward to backward.
+      transient_bytes: predicted bytes live while its backward pass runs (recompute included).
+      recompute_flops: predicted FLOPs its backward pass recomputes.
+    """
+
+    start: int
+    end: int
+    policy: str = SAVE_NAMES
+    saved: list[int] = dataclasses.field(default_factory=list)
+    stored_bytes: int = 0
+    transient_bytes: int = 0
+    recompute_flops: float = 0.0
+
+    @property
+    def checkpointed(self) -> bool:
+        return self.policy != KEEP
+
+
+@dataclasses.dataclass
+class Plan:
+    """A rematerialization plan for one traced program (one shape/dtype signature).
+
+    Attributes:
+      segments: contiguous segments covering every node, in order.
+      fingerprint: the `Graph.fingerprint` the plan was made for.
+      num_nodes: number of equations in that graph.
+      solver: the planner that produced it (`"chain"`, `"layers"`, `"identity"` ...).
+      budget: the budget asked for, as the caller gave it (JSON-able), or None.
+      budget_temp_bytes: that budget translated to XLA temp bytes, or None.
+      predicted_temp_bytes: the planner's calibrated prediction of compiled temp bytes.
+      recompute_flops: predicted FLOPs recomputed in the backward pass.
+      measured_temp_bytes: compiled temp bytes when the plan was verified, else None.
+      measured_flops: compiled FLOPs of `value_and_grad` when verified, else None.
+      baseline_temp_bytes: compiled temp bytes of the unrematerialized program, when known.
+      notes: free-form lines (rounds of verification, calibration).
+    """
+
+    segments: list[Segment]
+    fingerprint: str
+    num_nodes: int
+    solver: str = "chain"
+    budget: Any = None
+    budget_temp_bytes: int | None = None
+    predicted_temp_bytes: int = 0
+    recompute_flops: float = 0.0
+    measured_temp_bytes: int | None = None
+    measured_flops: float | None = None
+    baseline_temp_bytes: int | None = None
+    notes: list[str] = dataclasses.field(default_factory=list)
+
+    @property
+    def is_identity(self) -> bool:
+        """True when no segment is checkpointed: the function runs unchanged."""
+        return not any(s.checkpointed for s in self.segments)
+
+    @classmethod
+    def identity(cls, graph: Graph, **kw: Any) -> Plan:
+        """The plan that rematerializes nothing."""
+        return cls([Segment(0, graph.num_nodes, KEEP)], graph.fingerprint, graph.num_nodes,
+                   solver="identity", **kw)
+
+    def validate(self) -> None:
+        """Check the segments tile `[0, num_nodes)`; raise ValueError otherwise."""
+        pos = 0
+        for s in self.segments:
+            if s.start != pos or s.end <= s.start:
+                raise ValueError(f"plan segments must tile [0, {self.num_nodes}); bad {s}")
+            pos = s.end
+        if pos != self.num_nodes:
+            raise ValueError(f"plan segments end at {pos}, the graph has {self.num_nodes} nodes")
+
+    # -- JSON ---------------------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def to_json(self, indent: int | None = 2) -> str:
+        """The plan as a JSON string (no pickles); inverse of `Plan.from_json`."""
+        return json.dumps(self.to_dict(), indent=indent)
+
+    @classmethod
+    def from_json(cls, text: str) -> Plan:
+        """Rebuild a plan from `to_json` output. Raises ValueError on malformed JSON."""
+        try:
+            d = json.loads(text)
+            segs = [Segment(**s) for s in d.pop("segments")]
+            plan = cls(segments=segs, **d)
+        except (json.JSONDecodeError, TypeError, KeyError) as e:
+            raise ValueError(f"not a jremat plan JSON: {e}") from e
+        plan.validate()
+        return plan
+
+    def save(self, path: str | os.PathLike) -> None:
+        """Write the plan as JSON to `path`."""
+        with open(path, "w", encoding="utf-8") as f:
+            f.write(self.to_json())
+
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> Plan:
+        """Read a plan written by `Plan.save`."""
+        with open(path, encoding="utf-8") as f:
+            return cls.from_json(f.read())
+
+    # -- reporting ------------------------------------------------------------------------
+    def summary(self, graph: Graph | None = None) -> str:
+        """A per-segment table: equations, policy, saved values, bytes, recompute FLOPs, source.
+
+        With the `graph` the plan was made for, each segment also names its first and last
+        source lines and the saved values' shapes.
+        """
+        mib = 2.0**20
+        lines = [
+            f"jremat plan ({self.solver}): {len(self.segments)} segments, "
+            f"{sum(s.checkpointed for s in self.segments)} checkpointed, "
+            f"predicted temp {self.predicted_temp_bytes / mib:.2f} MiB"
+            + (
+                f", compiled temp {self.measured_temp_bytes / mib:.2f} MiB"
+                if self.measured_temp_bytes is not None
+                else ""
+            )
+            + f", recompute {self.recompute_flops / 1e9:.4g} GFLOP",
+            f"{'seg':>4} {'eqns':>11} {'policy':>16} {'saved':>6} {'stored MiB':>11} "
+            f"{'transient MiB':>14} {'recompute GFLOP':>16}  source",
+        ]
+        for i, s in enumerate(self.segments):
+            src = ""
+            if graph is not None and s.end <= graph.num_nodes:
+                first, last = graph.nodes[s.start], graph.nodes[s.end - 1]
+                src = f"{first.source} .. {last.source}"
+                if first.name_stack:
+                    src = f"[{first.name_stack}] " + src
+            lines.append(
+                f"{i:>4} {f'{s.start}-{s.end - 1}':>11} {s.policy:>16} {len(s.saved):>6} "
+                f"{s.stored_bytes / mib:>11.2f} {s.transient_bytes / mib:>14.2f} "
+                f"{s.recompute_flops / 1e9:>16.4g}  {src}"
+            )
+            if graph is not None and s.saved:
+                shown = ", ".join(
+                    f"{graph.values[v].dtype}{list(graph.values[v].shape)}" for v in s.saved[:6]
+                )
+                lines.append(f"{'':>4} saves: {shown}{' ...' if len(s.saved) > 6 else ''}")
+        return "\n".join(lines)

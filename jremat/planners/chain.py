@@ -1,0 +1,161 @@
+"""Chain planner: dynamic programming over cut points (segments recompute everything inside).
+
+Chen et al., "Training Deep Nets with Sublinear Memory Cost" (2016) cut a chain into sqrt(n)
+segments and recompute each; Griewank & Walther's revolve (2000) and Rotor (Beaumont et al.,
+"Optimal checkpointing for heterogeneous chains", 2019) solve the same chain problem optimally by
+dynamic programming. This planner is that DP over the traced program's cut candidates: each
+segment is either kept (no checkpoint) or checkpointed (only its inputs saved), and the peak is
+modelled as
+
+    peak = max_i ( sum_{j <= i} stored_j  +  transient_i ),
+
+the stores of every earlier segment plus what segment i's backward holds. Per-layer remat and
+sqrt(n) segmentations are points of this space, so the DP never recomputes more than they do at
+the same predicted memory.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from ..plan import KEEP, SAVE_NAMES, Plan, Segment
+from ..trace import Graph
+from .candidates import SegmentTable, candidate_cuts, segment_table
+
+GRID = 384  # memory buckets of the budgeted DP
+
+
+def _options(t: SegmentTable, a: int, b: int):
+    yield KEEP, t.stored_keep[a, b], t.transient_keep[a, b], 0.0
+    yield SAVE_NAMES, t.stored_remat[a, b], t.transient_remat[a, b], t.flops_remat[a, b]
+
+
+def min_memory(t: SegmentTable) -> tuple[float, list[tuple[int, int, str]]]:
+    """The segmentation with the smallest modelled peak (ties: fewest FLOPs). Exact DP."""
+    m = len(t.cuts)
+    best = [(math.inf, math.inf)] * m  # (peak of suffix, flops)
+    choice: list[tuple[int, str] | None] = [None] * m
+    best[m - 1] = (0.0, 0.0)
+    for a in range(m - 2, -1, -1):
+        for b in range(a + 1, m):
+            for mode, stored, trans, fl in _options(t, a, b):
+                peak = max(stored + trans, stored + best[b][0])
+                cand = (peak, fl + best[b][1])
+                if cand < best[a]:
+                    best[a], choice[a] = cand, (b, mode)
+    return best[0][0], _walk(choice, m)
+
+
+def within_budget(t: SegmentTable, budget: float) -> tuple[float, list[tuple[int, int, str]]] | None:
+    """Fewest recompute FLOPs with modelled peak <= budget bytes; None when infeasible.
+
+    Suffix DP over (cut, memory left) with the memory axis in GRID buckets (stores rounded up,
+    so a plan it returns is within budget in the model).
+    """
+    m = len(t.cuts)
+    if budget <= 0:
+        return None
+    q = budget / GRID
+    levels = np.arange(GRID + 1) * q  # memory available at each bucket
+    inf = np.inf
+    F = np.full((m, GRID + 1), inf)
+    F[m - 1, :] = 0.0
+    arg_b = np.full((m, GRID + 1), -1, dtype=np.int32)
+    arg_mode = np.zeros((m, GRID + 1), dtype=np.int8)
+    for a in range(m - 2, -1, -1):
+        for b in range(a + 1, m):
+            for k, (mode, stored, trans, fl) in enumerate(_options(t, a, b)):
+                shift = int(math.ceil(stored / q - 1e-9))
+                if shift > GRID:
+                    continue
+                ok = levels >= stored + trans
+                rest = np.full(GRID + 1, inf)
+                rest[shift:] = F[b, : GRID + 1 - shift]
+                cand = np.where(ok, fl + rest, inf)
+                better = cand < F[a]
+                if better.any():
+                    F[a] = np.where(better, cand, F[a])
+                    arg_b[a] = np.where(better, b, arg_b[a])
+                    arg_mode[a] = np.where(better, k, arg_mode[a])
+    if not np.isfinite(F[0, GRID]):
+        return None
+    segs, a, level = [], 0, GRID
+    while a < m - 1:
+        b, k = int(arg_b[a, level]), int(arg_mode[a, level])
+        mode, stored, _, _ = list(_options(t, a, b))[k]
+        segs.append((a, b, mode))
+        level -= int(math.ceil(stored / q - 1e-9))
+        a = b
+    return float(F[0, GRID]), segs
+
+
+def _walk(choice, m):
+    segs, a = [], 0
+    while a < m - 1:
+        b, mode = choice[a]
+        segs.append((a, b, mode))
+        a = b
+    return segs
+
+
+def to_plan(graph: Graph, t: SegmentTable, segs, solver: str = "chain") -> Plan:
+    """Turn DP output `[(a, b, mode)]` into a `Plan` with per-segment predictions.
+
+    Adjacent kept segments are merged (no checkpoint boundary between them).
+    """
+    out: list[Segment] = []
+    running, peak, flops = 0.0, 0.0, 0.0
+    for a, b, mode in segs:
+        keep = mode == KEEP
+        stored = t.stored_keep[a, b] if keep else t.stored_remat[a, b]
+        trans = t.transient_keep[a, b] if keep else t.transient_remat[a, b]
+        fl = 0.0 if keep else t.flops_remat[a, b]
+        running += stored
+        peak = max(peak, running + trans)
+        flops += fl
+        if keep and out and out[-1].policy == KEEP:
+            prev = out[-1]
+            prev.end = t.cuts[b]
+            prev.stored_bytes += int(stored)
+            prev.transient_bytes = max(prev.transient_bytes, int(trans))
+            continue
+        out.append(Segment(t.cuts[a], t.cuts[b], mode, [], int(stored), int(trans), float(fl)))
+    return Plan(out, graph.fingerprint, graph.num_nodes, solver=solver,
+                predicted_temp_bytes=int(peak), recompute_flops=flops)
+
+
+class ChainPlanner:
+    """Plans for one graph at many budgets (the segment table is built once).
+
+    Args:
+      graph: a traced program (`jremat.trace`).
+      max_cuts: how many cut candidates the DP considers (O(max_cuts^2 x GRID) work).
+    """
+
+    name = "chain"
+
+    def __init__(self, graph: Graph, max_cuts: int = 160):
+        self.graph = graph
+        self.table = segment_table(graph, candidate_cuts(graph, max_cuts))
+        self._min = None
+
+    def min_memory_plan(self) -> Plan:
+        """The plan with the smallest modelled peak."""
+        if self._min is None:
+            _, segs = min_memory(self.table)
+            self._min = to_plan(self.graph, self.table, segs, self.name)
+        return self._min
+
+    def no_remat_peak(self) -> float:
+        """Modelled peak of the unrematerialized program (one kept segment)."""
+        m = len(self.table.cuts)
+        return float(self.table.stored_keep[0, m - 1] + self.table.transient_keep[0, m - 1])
+
+    def plan(self, model_budget: float) -> Plan | None:
+        """Fewest-FLOPs plan whose modelled peak is <= `model_budget` bytes, or None."""
+        found = within_budget(self.table, model_budget)
+        if found is None:
+            return None
+        return to_plan(self.graph, self.table, found[1], self.name)

@@ -1,0 +1,308 @@
+"""`jremat.plan`: trace, solve under a budget, verify on the compiled program, tighten.
+
+The planners work on a cost model (bytes of JAX values), which differs from what XLA packs
+(it fuses and frees more). So a plan is judged by compiling it: the model is calibrated between
+two compiled anchors (the unrematerialized program and the smallest-memory plan), and the
+model budget is then moved by secant/bisection steps until the compiled temp bytes are within
+the budget with the fewest compiled FLOPs found.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+
+from .budget import Budget, parse_budget
+from .errors import InfeasibleBudgetError
+from .measure import compile_step, scan_flops_correction, xla_flops
+from .plan import KEEP, Plan, Segment
+from .planners import PLANNERS
+from .planners.candidates import candidate_cuts, layer_spans
+from .rewrite import rematerialize
+from .trace import Graph, _check_differentiable, build_graph, normalize_argnums
+
+SOLVERS = ("chain",)
+
+
+def abstract_args(args: Sequence[Any]) -> tuple[Any, ...]:
+    """Arguments as `jax.ShapeDtypeStruct`s (planning needs shapes and dtypes only)."""
+
+    def to_aval(x: Any) -> Any:
+        if isinstance(x, jax.ShapeDtypeStruct):
+            return x
+        if hasattr(x, "shape") and hasattr(x, "dtype"):
+            return jax.ShapeDtypeStruct(x.shape, x.dtype)
+        return x
+
+    return tuple(jax.tree_util.tree_map(to_aval, a) for a in args)
+
+
+@dataclasses.dataclass
+class Compiled:
+    temp_bytes: int
+    flops: float
+    fixed_bytes: int  # argument + output - alias
+
+
+class Program:
+    """One function at one signature: its graph, and compiled figures of plans on it."""
+
+    def __init__(self, fn: Callable[..., Any], args: Sequence[Any], argnums: int | Sequence[int]):
+        if not callable(fn):
+            raise TypeError(f"fn must be a callable, got {type(fn).__name__}")
+        self.fn = fn
+        self.nums = normalize_argnums(argnums, len(args))
+        self.args = abstract_args(args)
+        _check_differentiable(self.args, self.nums)
+        from .measure import _check_scalar_output
+
+        _check_scalar_output(fn, self.args)
+        self.graph: Graph = build_graph(fn, self.args, self.nums)
+        self._baseline: Compiled | None = None
+        self.has_scan = _has_scan(self.graph)
+        self._planners: dict = {}
+        self._anchors: dict = {}
+
+    def compile(self, plan: Plan | None) -> Compiled:
+        """Compiled temp bytes and FLOPs of one training step under `plan` (None: no remat)."""
+        f = self.fn if plan is None else rematerialize(self.fn, plan)
+        exe = compile_step(f, self.args, self.nums)
+        mem = exe.memory_analysis()
+        flops = xla_flops(exe)
+        if self.has_scan:
+            flops += scan_flops_correction(f, self.args, self.nums)
+        fixed = mem.argument_size_in_bytes + mem.output_size_in_bytes - mem.alias_size_in_bytes
+        return Compiled(int(mem.temp_size_in_bytes), flops, int(fixed))
+
+    @property
+    def baseline(self) -> Compiled:
+        if self._baseline is None:
+            self._baseline = self.compile(None)
+        return self._baseline
+
+    def planner(self, solver: str, max_cuts: int):
+        """The planner for this graph (built once per solver)."""
+        key = (solver, max_cuts)
+        if key not in self._planners:
+            self._planners[key] = PLANNERS[solver](self.graph, max_cuts=max_cuts)
+        return self._planners[key]
+
+    def anchors(self, planner) -> list[tuple[Plan, Compiled]]:
+        """Compiled reference plans, first the planner's min-memory plan, then per-layer full
+        remat and sqrt(n) segments (Chen et al. 2016). Compiled once per program."""
+        if planner.name not in self._anchors:
+            plans = [planner.min_memory_plan()]
+            if len(layer_segments(self.graph)) > 1:
+                plans += [recipe_plan(self.graph, "nothing_saveable", "layers"),
+                          recipe_plan(self.graph, "nothing_saveable", "sqrt_n")]
+            self._anchors[planner.name] = [(p, self.compile(p)) for p in plans]
+        return [(copy.deepcopy(p), c) for p, c in self._anchors[planner.name]]
+
+    def record(self, plan: Plan, c: Compiled) -> Plan:
+        plan.measured_temp_bytes = c.temp_bytes
+        plan.measured_flops = c.flops
+        plan.baseline_temp_bytes = self.baseline.temp_bytes
+        return plan
+
+
+def _has_scan(graph: Graph) -> bool:
+    from ._compat import subjaxprs
+
+    def walk(eqns) -> bool:
+        return any(e.primitive.name == "scan" or any(walk(j.eqns) for j in subjaxprs(e))
+                   for e in eqns)
+
+    return walk([n.eqn for n in graph.nodes])
+
+
+def plan(
+    fn: Callable[..., Any],
+    *args: Any,
+    budget: Any,
+    solver: str = "chain",
+    argnums: int | Sequence[int] = 0,
+    verify: bool = True,
+    max_rounds: int = 4,
+    max_cuts: int = 160,
+) -> Plan:
+    """Plan the rematerialization of `fn` under a memory budget.
+
+    Args:
+      fn: returns a scalar floating-point loss; positional array/pytree arguments.
+      *args: example arguments (arrays or `jax.ShapeDtypeStruct`s).
+      budget: a float in (0, 1] (fraction of the unrematerialized compiled temp bytes), an int
+        (footprint bytes), a string such as "512MiB"/"8GB", or "auto" (see `jremat.budget`).
+      solver: the planner; "chain" (dynamic programming over cut points, after Chen et al.
+        2016 and Rotor, Beaumont et al. 2019).
+      argnums: differentiated arguments, as in `jax.grad`.
+      verify: compile plans and keep only one whose compiled temp bytes meet the budget
+        (recommended). With False the uncalibrated cost model decides and nothing is compiled
+        but the baseline; the plan may then miss the budget.
+      max_rounds: how many plans verification may compile before settling.
+      max_cuts: cut candidates the DP considers.
+
+    Returns:
+      A `Plan`; `Plan.identity` when the budget is at or above the unrematerialized program.
+
+    Raises:
+      ValueError: an invalid budget (names the accepted forms) or unknown solver.
+      InfeasibleBudgetError: no plan reaches the budget; states the smallest reachable budget
+        in the caller's unit.
+      TypeError: `fn` does not return a scalar float, or `argnums` selects no float input.
+    """
+    spec = parse_budget(budget)
+    if solver not in SOLVERS:
+        raise ValueError(f"solver={solver!r} is not known; accepted: {', '.join(SOLVERS)}")
+    if not isinstance(max_rounds, int) or max_rounds < 1:
+        raise ValueError(f"max_rounds must be an int >= 1, got {max_rounds!r}")
+    prog = Program(fn, args, argnums)
+    return solve(prog, spec, solver=solver, verify=verify, max_rounds=max_rounds,
+                 max_cuts=max_cuts)
+
+
+def solve(prog: Program, spec: Budget, *, solver: str = "chain", verify: bool = True,
+          max_rounds: int = 4, max_cuts: int = 160) -> Plan:
+    """`plan` on an already traced `Program` (lets callers reuse the baseline compile)."""
+    base = prog.baseline
+    target = spec.temp_bytes(base.temp_bytes, base.fixed_bytes)
+    meta = dict(budget=spec.raw, budget_temp_bytes=int(target) if target > 0 else 0)
+    if target >= base.temp_bytes:
+        p = Plan.identity(prog.graph, **meta)
+        p.predicted_temp_bytes = base.temp_bytes
+        return prog.record(p, base)
+    planner = prog.planner(solver, max_cuts)
+    min_plan = planner.min_memory_plan()
+    model_min, model_none = min_plan.predicted_temp_bytes, planner.no_remat_peak()
+    if not verify:
+        chosen = planner.plan(target) or _raise_model_infeasible(spec, prog, model_min)
+        chosen.notes.append("verify=False: chosen by the uncalibrated cost model")
+        return _finish(chosen, meta, solver)
+    anchors = prog.anchors(planner)  # compiled: DP min-memory plan, per-layer and sqrt(n) remat
+    fitting = [(c.flops, p, c) for p, c in anchors if c.temp_bytes <= target]
+    min_c = min((c for _, c in anchors), key=lambda c: c.temp_bytes)
+    if not fitting:
+        smallest = spec.in_caller_unit(min(min_c.temp_bytes, base.temp_bytes), base.temp_bytes,
+                                       base.fixed_bytes)
+        raise InfeasibleBudgetError(
+            f"budget={spec.raw!r} is below what rematerialization can reach for this program: "
+            f"the smallest reachable budget is {spec.describe(smallest)}; compiled temp "
+            f"{min_c.temp_bytes:,} bytes vs {base.temp_bytes:,} unrematerialized. Raise the "
+            "budget, or cut activations another way (smaller microbatches: jremat.microbatch).",
+            budget=spec.raw, smallest_reachable=smallest,
+            smallest_reachable_bytes=min_c.temp_bytes,
+        )
+    min_c = anchors[0][1]
+    # calibrate: map compiled bytes to model bytes linearly through the two anchors
+    span_c = max(base.temp_bytes - min_c.temp_bytes, 1)
+    slope = (model_none - model_min) / span_c
+    model_budget = model_min + (target - min_c.temp_bytes) * max(slope, 1e-3)
+    best: tuple[float, Plan, Compiled] = min(fitting, key=lambda t: t[0])
+    lo, hi = model_min, math.inf  # model budgets known feasible / infeasible when compiled
+    seen: set[str] = {_key(p) for p, _ in anchors}
+    log: list[str] = []
+    for round_ in range(max_rounds):
+        candidate = planner.plan(model_budget)
+        if candidate is not None and _key(candidate) not in seen:
+            seen.add(_key(candidate))
+            c = prog.compile(candidate)
+            ok = c.temp_bytes <= target
+            log.append(
+                f"round {round_}: model budget {model_budget:,.0f} -> compiled temp "
+                f"{c.temp_bytes:,} ({'fits' if ok else 'over'})")
+            if ok:
+                lo = max(lo, model_budget)
+                if c.flops < best[0]:
+                    best = (c.flops, candidate, c)
+            else:
+                hi = min(hi, model_budget)
+            ratio = target / max(c.temp_bytes, 1)
+        else:
+            ratio = 1.05  # same plan as before: probe further out
+            if candidate is None:
+                lo = max(lo, model_budget)
+        nxt = model_budget * ratio
+        if math.isfinite(hi):
+            nxt = min(max(nxt, lo), hi)
+            if not lo < nxt < hi or (hi - lo) / hi < 0.01:
+                nxt = (lo + hi) / 2
+            if (hi - lo) / hi < 0.005:
+                break
+        model_budget = max(nxt, model_min)
+    _, chosen, c = best
+    chosen = prog.record(chosen, c)
+    chosen.notes.extend(log)
+    chosen.predicted_temp_bytes = int(
+        min_c.temp_bytes + (chosen.predicted_temp_bytes - model_min) / max(slope, 1e-9))
+    chosen.notes.append(
+        f"calibrated: compiled = {min_c.temp_bytes:,} + (model - {model_min:,.0f}) / {slope:.3f}")
+    return _finish(chosen, meta, solver)
+
+
+def _key(p: Plan) -> str:
+    return ";".join(f"{s.start}:{s.end}:{s.policy}" for s in p.segments)
+
+
+def _finish(p: Plan, meta: dict, solver: str) -> Plan:
+    p.budget, p.budget_temp_bytes, p.solver = meta["budget"], meta["budget_temp_bytes"], solver
+    return p
+
+
+def _raise_model_infeasible(spec: Budget, prog: Program, model_min: float):
+    base = prog.baseline
+    smallest = spec.in_caller_unit(int(model_min), base.temp_bytes, base.fixed_bytes)
+    raise InfeasibleBudgetError(
+        f"budget={spec.raw!r} is below the smallest the cost model reaches "
+        f"({spec.describe(smallest)}; verify=False, so this is the model's estimate)",
+        budget=spec.raw, smallest_reachable=smallest, smallest_reachable_bytes=int(model_min))
+
+
+# -- fixed recipes: built-in policies per layer, sqrt(n) -------------------------------------
+def layer_segments(graph: Graph, max_pseudo_layers: int = 16) -> list[tuple[int, int]]:
+    """The model's layers as node ranges (from name stacks), or equal-FLOP chunks between
+    low-crossing cuts when the program carries no layer names."""
+    spans = layer_spans(graph)
+    if len(spans) >= 2:
+        return spans
+    cuts = candidate_cuts(graph, max_cuts=4 * max_pseudo_layers)
+    flops = [0.0]
+    for node in graph.nodes:
+        flops.append(flops[-1] + node.flops)
+    total = flops[-1] or 1.0
+    chosen = [0]
+    for k in range(1, max_pseudo_layers):
+        want = total * k / max_pseudo_layers
+        c = min(cuts, key=lambda p: abs(flops[p] - want))
+        if c > chosen[-1]:
+            chosen.append(c)
+    if graph.num_nodes > chosen[-1]:
+        chosen.append(graph.num_nodes)
+    return list(zip(chosen[:-1], chosen[1:], strict=True))
+
+
+def recipe_plan(graph: Graph, policy: str, segmentation: str = "layers") -> Plan:
+    """A fixed plan: `policy` (a `jremat.policies` name) applied per layer ("layers"), or to
+    about sqrt(L) groups of layers ("sqrt_n", Chen et al. 2016); glue between layers is kept."""
+    spans = layer_segments(graph)
+    if segmentation == "sqrt_n":
+        k = max(1, round(math.sqrt(len(spans))))
+        size = math.ceil(len(spans) / k)
+        groups = [spans[i : i + size] for i in range(0, len(spans), size)]
+        spans = [(g[0][0], g[-1][1]) for g in groups]
+    elif segmentation != "layers":
+        raise ValueError(f"segmentation must be 'layers' or 'sqrt_n', got {segmentation!r}")
+    segs: list[Segment] = []
+    pos = 0
+    for s, e in spans:
+        if s > pos:
+            segs.append(Segment(pos, s, KEEP))
+        segs.append(Segment(s, e, policy))
+        pos = e
+    if pos < graph.num_nodes:
+        segs.append(Segment(pos, graph.num_nodes, KEEP))
+    name = f"{policy}/{segmentation}"
+    return Plan(segs, graph.fingerprint, graph.num_nodes, solver=name)

@@ -1,0 +1,169 @@
+"""Re-evaluate a traced program with each segment of a `Plan` under `jax.checkpoint`."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+from jax.ad_checkpoint import checkpoint_name
+
+from . import _compat
+from .errors import PlanMismatchError
+from .plan import SAVE_NAMES, Plan, Segment
+from .trace import Graph, build_graph, is_literal, signature
+
+
+def residual_name(vid: int) -> str:
+    """The `checkpoint_name` jremat gives to saved value `vid`."""
+    return f"jremat_v{vid}"
+
+
+def segment_io(graph: Graph, seg: Segment) -> tuple[list[int], list[int]]:
+    """(live-in ids, live-out ids) of a segment: what crosses its two cuts."""
+    inside = range(seg.start, seg.end)
+    live_in: dict[int, None] = {}
+    for node in graph.nodes[seg.start : seg.end]:
+        for x in node.inputs:
+            if not is_literal(x) and graph.values[x].producer not in inside:
+                live_in[x] = None
+    outs_after = {x for x in graph.outvars if not is_literal(x)}
+    live_out = []
+    for node in graph.nodes[seg.start : seg.end]:
+        for o in node.outputs:
+            cons = graph.consumers[o]
+            if o in outs_after or (cons and cons[-1] >= seg.end):
+                live_out.append(o)
+    return list(live_in), live_out
+
+
+def _eval_nodes(nodes: Sequence[Any], env: dict[int, Any], tag: dict[int, str]) -> None:
+    for node in nodes:
+        invals = [x.val if is_literal(x) else env[x] for x in node.inputs]
+        for o, val in zip(node.outputs, _compat.bind(node.eqn, invals), strict=True):
+            env[o] = checkpoint_name(val, tag[o]) if o in tag else val
+
+
+def tied_remat(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """`jax.checkpoint(fn, policy=nothing_saveable)` whose recompute waits for the cotangent.
+
+    The forward pass keeps only `fn`'s inputs. The backward pass adds `0 * ct[0]` (a scalar from
+    the incoming cotangent) to every floating input before recomputing, a true data dependency
+    that XLA can neither CSE with the forward pass nor schedule before the cotangent exists.
+    Used where `jax.checkpoint`'s barrier does not hold (`_compat.TIED_RECOMPUTE`). A cotangent
+    holding inf/NaN turns the recompute's inputs to NaN, as it would the gradient anyway.
+    Supports reverse mode (grad, vjp) and vmap; not forward mode (jvp).
+    """
+
+    @jax.custom_vjp
+    def f(*ins):
+        return fn(*ins)
+
+    def fwd(*ins):
+        return fn(*ins), ins
+
+    def bwd(ins, ct):
+        floats = [c for c in jax.tree_util.tree_leaves(ct) if _compat.is_float_dtype(c.dtype)]
+        tie = sum(c.reshape(-1)[0].astype("float32") for c in floats if c.size) * 0.0
+        tied = [x + tie.astype(x.dtype) if _compat.is_float_dtype(x.dtype) else x for x in ins]
+        _, vjp = jax.vjp(fn, *tied)
+        return vjp(ct)
+
+    f.defvjp(fwd, bwd)
+    return f
+
+
+def _saves_nothing(seg: Segment) -> bool:
+    return (seg.policy == SAVE_NAMES and not seg.saved) or seg.policy == "nothing_saveable"
+
+
+def segment_policy(seg: Segment) -> Callable[..., Any]:
+    """The `jax.checkpoint` policy a checkpointed segment runs under."""
+    if seg.policy == SAVE_NAMES:
+        return jax.checkpoint_policies.save_only_these_names(*map(residual_name, seg.saved))
+    from . import policies
+
+    if seg.policy in policies.names():
+        return policies.get(seg.policy)
+    return policies.preset(seg.policy).policy
+
+
+def run_graph(graph: Graph, plan: Plan, flat_args: Sequence[Any], *, prevent_cse: bool = True):
+    """Evaluate `graph` on flat arguments following `plan`; returns the flat outputs."""
+    env: dict[int, Any] = dict(zip(graph.invars, flat_args, strict=True))
+    env.update(graph.consts)
+    for seg in plan.segments:
+        nodes = graph.nodes[seg.start : seg.end]
+        if not seg.checkpointed:
+            _eval_nodes(nodes, env, {})
+            continue
+        live_in, live_out = segment_io(graph, seg)
+        tag = {v: residual_name(v) for v in seg.saved} if seg.policy == SAVE_NAMES else {}
+
+        def seg_fn(*ins, nodes=nodes, live_in=live_in, live_out=live_out, tag=tag):
+            local = dict(zip(live_in, ins, strict=True))
+            _eval_nodes(nodes, local, tag)
+            return [local[o] for o in live_out]
+
+        if _compat.TIED_RECOMPUTE and _saves_nothing(seg):
+            run = tied_remat(seg_fn)
+        else:
+            run = jax.checkpoint(seg_fn, policy=segment_policy(seg), prevent_cse=prevent_cse)
+        env.update(zip(live_out, run(*[env[i] for i in live_in]), strict=True))
+    return [x.val if is_literal(x) else env[x] for x in graph.outvars]
+
+
+def rematerialize(
+    fn: Callable[..., Any], plan: Plan, *, prevent_cse: bool = True
+) -> Callable[..., Any]:
+    """Return `fn` with its backward pass following `plan`.
+
+    The returned function has the same signature and pytrees as `fn`. When called it traces
+    `fn` (cached per argument shapes/dtypes), checks the program is the one the plan was made
+    for, and re-evaluates its equations: every checkpointed segment runs under
+    `jax.checkpoint(policy=save_only_these_names(...), prevent_cse=prevent_cse)` with its saved
+    values tagged by `jax.ad_checkpoint.checkpoint_name`. Composes with `jit`, `grad`,
+    `value_and_grad` and `vmap`. A plan that checkpoints nothing returns `fn` itself.
+
+    Args:
+      fn: the function the plan was made for (positional array/pytree arguments).
+      plan: a `jremat.Plan` (from `jremat.plan`, or `Plan.from_json`).
+      prevent_cse: passed to `jax.checkpoint`; keep True outside `lax.scan`, or XLA merges the
+        recompute back into the forward pass.
+
+    Raises:
+      TypeError: `plan` is not a `jremat.Plan`.
+      PlanMismatchError (a ValueError), at call time: the call's program differs from the one
+        the plan was made for (other shapes, dtypes or equations).
+    """
+    if not isinstance(plan, Plan):
+        raise TypeError(f"plan must be a jremat.Plan, got {type(plan).__name__}")
+    if plan.is_identity:
+        return fn
+    graphs: dict[Any, Graph] = {}
+
+    @functools.wraps(fn)
+    def rematerialized(*args: Any) -> Any:
+        key = signature(args)
+        graph = graphs.get(key)
+        if graph is None:
+            graph = build_graph(fn, args)
+            if graph.fingerprint != plan.fingerprint:
+                raise PlanMismatchError(
+                    f"this plan was made for program {plan.fingerprint} ({plan.num_nodes} "
+                    f"equations) but the call traces to {graph.fingerprint} ({graph.num_nodes} "
+                    "equations): shapes, dtypes or code changed. Make a new plan for these "
+                    "arguments (jremat.plan), or use jremat.auto, which re-plans per signature."
+                )
+            if not _holds_tracers(graph):
+                graphs[key] = graph
+        outs = run_graph(graph, plan, jax.tree_util.tree_leaves(args), prevent_cse=prevent_cse)
+        return jax.tree_util.tree_unflatten(graph.out_tree, outs)
+
+    rematerialized.plan = plan  # type: ignore[attr-defined]
+    return rematerialized
+
+
+def _holds_tracers(graph: Graph) -> bool:
+    return any(_compat.is_tracer(c) for c in graph.consts.values())
