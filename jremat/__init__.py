@@ -5,6 +5,7 @@
 
 from . import policies
 from .budget import parse_budget
+from .comparison import Comparison, compare
 from .decorator import auto
 from .errors import InfeasibleBudgetError, PlanMismatchError
 from .measure import Measurement, measure
@@ -16,6 +17,7 @@ from .trace import Graph, trace
 __version__ = "0.1.0"
 
 __all__ = [
+    "Comparison",
     "Graph",
     "InfeasibleBudgetError",
     "Measurement",
@@ -23,6 +25,7 @@ __all__ = [
     "PlanMismatchError",
     "Segment",
     "auto",
+    "compare",
     "measure",
     "parse_budget",
     "plan",

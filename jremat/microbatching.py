@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 from optax import microbatching as omb
 
-from jremat.accumulation import warn_batch_stats_once
+from jremat.accumulation import _check_float_dtype, warn_batch_stats_once
 
 __all__ = ["microbatch"]
 
@@ -93,6 +93,14 @@ def _check_aux_reduction(aux_reduction: Any) -> None:
             f"those strings as leaves (e.g. {{'batch_stats': 'mean', 'n': 'sum'}}); got "
             f"{aux_reduction!r}."
         )
+
+
+def _describe(x: Any) -> str:
+    if isinstance(x, tuple | list):
+        return f"a {type(x).__name__} of length {len(x)}"
+    if hasattr(x, "shape") and hasattr(x, "dtype"):
+        return f"an array {x.dtype}{list(x.shape)}"
+    return f"a {type(x).__name__}"
 
 
 def _batch_size(batch: Any, k: int) -> int:
@@ -235,20 +243,18 @@ def microbatch(
     if not isinstance(has_aux, bool):
         raise TypeError(f"has_aux must be a bool; got {has_aux!r}.")
     _check_aux_reduction(aux_reduction)
+    acc_dt = None
     if accumulator_dtype is not None:
-        acc_dt = jnp.dtype(accumulator_dtype)
-        if not jnp.issubdtype(acc_dt, jnp.floating):
-            raise TypeError(
-                "accumulator_dtype must be None or a floating dtype such as jnp.float32; "
-                f"got {acc_dt}."
-            )
-    else:
-        acc_dt = None
+        acc_dt = _check_float_dtype("accumulator_dtype (or None)", accumulator_dtype)
 
     weighted = reduction == "weighted"
 
     def value_fn(params, mb, *args, **kwargs):
         out = loss_fn(params, mb, *args, **kwargs)
+        if has_aux and not (isinstance(out, tuple | list) and len(out) == 2):
+            raise TypeError(
+                f"With has_aux=True, loss_fn must return a pair (value, aux); got {_describe(out)}."
+            )
         value, aux = out if has_aux else (out, None)
         if has_aux:
             warn_batch_stats_once("jremat.microbatch", aux)
@@ -257,7 +263,7 @@ def microbatch(
                 raise TypeError(
                     "With reduction='weighted', loss_fn must return (sum_of_losses, count)"
                     + (" as the first element of (value, aux)" if has_aux else "")
-                    + f"; got {type(value).__name__}."
+                    + f"; got {_describe(value)}."
                 )
             total, count = value
             if jnp.shape(total) != () or jnp.shape(count) != ():
@@ -269,7 +275,7 @@ def microbatch(
             return total, (jax.lax.stop_gradient(count), aux)
         if isinstance(value, tuple | list):
             raise TypeError(
-                f"loss_fn returned a {type(value).__name__}; with reduction={reduction!r} it "
+                f"loss_fn returned {_describe(value)}; with reduction={reduction!r} it "
                 "must return a scalar loss, or (loss, aux) with has_aux=True"
                 + (", or (sum_of_losses, count) with reduction='weighted'." if not has_aux else ".")
             )

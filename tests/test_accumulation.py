@@ -219,10 +219,14 @@ def test_every_k_schedule_and_linear_lr_scaling_follow_k():
 
 
 @pytest.mark.parametrize(
-    "rule, k, reference_k, factor",
-    [("linear", 4, 1, 4.0), ("sqrt", 4, 1, 2.0), ("linear", 8, 2, 4.0)],
+    "rule, k, reference_k, factor, opt_name",
+    [
+        ("linear", 4, 1, 4.0, "sgd"),
+        ("sqrt", 4, 1, 2.0, "sgd"),
+        ("linear", 8, 2, 4.0, "adamw"),
+        ("sqrt", 8, 2, 2.0, "adamw"),
+    ],
 )
-@pytest.mark.parametrize("opt_name", ["sgd", "adamw"])
 def test_lr_scaling_multiplies_updates(rule, k, reference_k, factor, opt_name):
     assert lr_scale_factor(k, rule, reference_k) == factor
     params = init_params(jax.random.key(0))

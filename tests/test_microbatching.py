@@ -354,7 +354,8 @@ def test_batch_stats_in_params_warns():
         ({"reduction": "avg"}, ValueError, r"reduction must be one of \('mean', 'sum', 'wei"),
         ({"aux_reduction": "first"}, ValueError, "aux_reduction must be one of"),
         ({"has_aux": 1}, TypeError, "has_aux must be a bool"),
-        ({"accumulator_dtype": jnp.int32}, TypeError, "accumulator_dtype"),
+        ({"accumulator_dtype": jnp.int32}, TypeError, "accumulator_dtype .*floating dtype"),
+        ({"accumulator_dtype": "f32x"}, TypeError, "accumulator_dtype .*floating dtype"),
     ],
 )
 def test_bad_arguments(kwargs, exc, match):
@@ -408,6 +409,15 @@ def test_loss_fn_must_return_scalar():
         microbatch(per_example, 2)(params, batch)
     with pytest.raises(TypeError, match="or \\(loss, aux\\) with has_aux=True"):
         microbatch(aux_loss, 2)(params, batch)
+
+
+def test_has_aux_loss_fn_must_return_pair():
+    params = init_params(jax.random.key(0))
+    batch = make_batch(jax.random.key(1))
+    with pytest.raises(
+        TypeError, match=r"must return a pair \(value, aux\); got an array float32\[\]"
+    ):
+        microbatch(mean_loss, 2, has_aux=True)(params, batch)
 
 
 def test_aux_reduction_prefix_mismatch_and_int_mean():

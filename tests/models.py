@@ -1,0 +1,281 @@
+"""Tiny plain-JAX models shared by the jremat core tests.
+
+Every model is a `Model(name, loss, params, x, argnums)`: `loss(params, x, ...) -> scalar f32`
+(or bf16 for the bf16 model) with `params` differentiated (argnums=0). Sizes are chosen so that
+each `jit(value_and_grad(loss))` compiles in well under a second on a shared CPU, while
+activations (batch large relative to width) still dominate XLA's temp bytes so budgets below
+1.0 are reachable. Layers are written under `jax.named_scope("layer_<i>")` (or `down_<i>` /
+`up_<i>`) so `jremat.planning.recipe_plan(graph, ..., "layers")` finds them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+@dataclasses.dataclass
+class Model:
+    name: str
+    loss: Callable[..., Any]
+    args: tuple  # (params, x, ...) positional arguments of `loss`
+
+    @property
+    def params(self):
+        return self.args[0]
+
+
+def _normal(key, shape, scale, dtype=jnp.float32):
+    return (jax.random.normal(key, shape, jnp.float32) * scale).astype(dtype)
+
+
+def _layernorm(x):
+    mu = x.mean(-1, keepdims=True)
+    var = ((x - mu) ** 2).mean(-1, keepdims=True)
+    return (x - mu) * jax.lax.rsqrt(var + 1e-5)
+
+
+# -- residual MLP chain -----------------------------------------------------------------------
+def mlp_chain(depth: int = 6, width: int = 32, batch: int = 512, dtype=jnp.float32) -> Model:
+    """x <- x + W2 tanh(W1 layernorm(x)) per layer; loss mean(x^2)."""
+    keys = jax.random.split(jax.random.PRNGKey(0), 2 * depth + 1)
+    params = [
+        {
+            "w1": _normal(keys[2 * i], (width, 2 * width), width**-0.5, dtype),
+            "w2": _normal(keys[2 * i + 1], (2 * width, width), (2 * width) ** -0.5, dtype),
+        }
+        for i in range(depth)
+    ]
+    x = _normal(keys[-1], (batch, width), 1.0, dtype)
+
+    def loss(params, x):
+        for i, p in enumerate(params):
+            with jax.named_scope(f"layer_{i}"):
+                x = x + jnp.tanh(_layernorm(x) @ p["w1"]) @ p["w2"]
+        return jnp.mean(x.astype(jnp.float32) ** 2)
+
+    return Model("mlp_chain", loss, (params, x))
+
+
+# -- transformer decoder with causal attention ------------------------------------------------
+def decoder(depth: int = 3, d: int = 32, heads: int = 2, seq: int = 64, batch: int = 8,
+            vocab: int = 64) -> Model:
+    """Pre-LN decoder: causal multi-head self-attention + GELU MLP per layer; next-token loss."""
+    key = jax.random.PRNGKey(1)
+    k = iter(jax.random.split(key, 8 * depth + 4))
+    params = {
+        "embed": _normal(next(k), (vocab, d), 0.1),
+        "pos": _normal(next(k), (seq, d), 0.1),
+        "layers": [
+            {
+                "wqkv": _normal(next(k), (d, 3 * d), d**-0.5),
+                "wo": _normal(next(k), (d, d), d**-0.5),
+                "w1": _normal(next(k), (d, 4 * d), d**-0.5),
+                "w2": _normal(next(k), (4 * d, d), (4 * d) ** -0.5),
+            }
+            for _ in range(depth)
+        ],
+        "head": _normal(next(k), (d, vocab), d**-0.5),
+    }
+    tokens = jax.random.randint(next(k), (batch, seq + 1), 0, vocab)
+
+    def loss(params, tokens):
+        inp, tgt = tokens[:, :-1], tokens[:, 1:]
+        h = params["embed"][inp] + params["pos"][None]
+        b, t, _ = h.shape
+        mask = jnp.tril(jnp.ones((t, t), bool))
+        for i, p in enumerate(params["layers"]):
+            with jax.named_scope(f"layer_{i}"):
+                q, kk, v = jnp.split(_layernorm(h) @ p["wqkv"], 3, axis=-1)
+                q, kk, v = (z.reshape(b, t, heads, d // heads) for z in (q, kk, v))
+                s = jnp.einsum("bqhd,bkhd->bhqk", q, kk) / np.sqrt(d // heads)
+                s = jnp.where(mask, s, -1e9)
+                a = jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s, -1), v).reshape(b, t, d)
+                h = h + a @ p["wo"]
+                h = h + jax.nn.gelu(_layernorm(h) @ p["w1"]) @ p["w2"]
+        logits = _layernorm(h) @ params["head"]
+        logp = jax.nn.log_softmax(logits, -1)
+        return -jnp.mean(jnp.take_along_axis(logp, tgt[..., None], -1))
+
+    return Model("decoder", loss, (params, tokens))
+
+
+# -- U-Net-like conv net with long skip connections -------------------------------------------
+def _conv(x, w):
+    return jax.lax.conv_general_dilated(
+        x, w, (1, 1), "SAME", dimension_numbers=("NHWC", "HWIO", "NHWC"))
+
+
+def unet(depth: int = 2, channels: int = 4, size: int = 16, batch: int = 4) -> Model:
+    """`depth` conv+pool down blocks, then upsample+concat(skip)+conv blocks, 1x1 head."""
+    key = jax.random.PRNGKey(2)
+    down, up, c = [], [], 3
+    for i in range(depth):
+        down.append(_normal(jax.random.fold_in(key, i), (3, 3, c, channels * 2**i), 0.2))
+        c = channels * 2**i
+    for i in reversed(range(depth)):
+        cin = c + channels * 2**i
+        up.append(_normal(jax.random.fold_in(key, 100 + i), (3, 3, cin, channels * 2**i), 0.2))
+        c = channels * 2**i
+    params = {"down": down, "up": up,
+              "head": _normal(jax.random.fold_in(key, 999), (1, 1, c, 3), 0.2)}
+    x = _normal(jax.random.fold_in(key, 7), (batch, size, size, 3), 1.0)
+
+    def loss(params, x):
+        skips, h = [], x
+        for i, w in enumerate(params["down"]):
+            with jax.named_scope(f"down_{i}"):
+                h = jax.nn.relu(_conv(h, w))
+                skips.append(h)
+                h = jax.lax.reduce_window(h, -jnp.inf, jax.lax.max, (1, 2, 2, 1), (1, 2, 2, 1),
+                                          "VALID")
+        for i, w in enumerate(params["up"]):
+            with jax.named_scope(f"up_{i}"):
+                skip = skips.pop()
+                h = jnp.repeat(jnp.repeat(h, 2, axis=1), 2, axis=2)
+                h = jax.nn.relu(_conv(jnp.concatenate([h, skip], -1), w))
+        out = _conv(h, params["head"])
+        return jnp.mean((out - x) ** 2)
+
+    return Model("unet", loss, (params, x))
+
+
+# -- lax.scan over layers ---------------------------------------------------------------------
+def scan_layers(depth: int = 4, width: int = 32, batch: int = 128, unroll: bool = False) -> Model:
+    """The MLP chain with stacked weights and `lax.scan` over the layers (or a Python loop
+    over the same stacked weights when `unroll=True`: the same arithmetic, unrolled)."""
+    k1, k2, k3 = jax.random.split(jax.random.PRNGKey(3), 3)
+    params = {"w1": _normal(k1, (depth, width, 2 * width), width**-0.5),
+              "w2": _normal(k2, (depth, 2 * width, width), (2 * width) ** -0.5)}
+    x = _normal(k3, (batch, width), 1.0)
+
+    def layer(x, p):
+        return x + jnp.tanh(_layernorm(x) @ p["w1"]) @ p["w2"]
+
+    def loss(params, x):
+        if unroll:
+            for i in range(depth):
+                x = layer(x, jax.tree_util.tree_map(lambda a, i=i: a[i], params))
+        else:
+            x, _ = jax.lax.scan(lambda c, p: (layer(c, p), None), x, params)
+        return jnp.mean(x**2)
+
+    return Model("scan_unrolled" if unroll else "scan", loss, (params, x))
+
+
+# -- lax.cond ---------------------------------------------------------------------------------
+def cond_model(depth: int = 3, width: int = 32, batch: int = 128) -> Model:
+    """Per layer, `lax.cond` on a data-dependent predicate chooses between two branches."""
+    keys = jax.random.split(jax.random.PRNGKey(4), 2 * depth + 1)
+    params = [{"a": _normal(keys[2 * i], (width, width), width**-0.5),
+               "b": _normal(keys[2 * i + 1], (width, width), width**-0.5)} for i in range(depth)]
+    x = _normal(keys[-1], (batch, width), 1.0)
+
+    def loss(params, x):
+        for i, p in enumerate(params):
+            with jax.named_scope(f"layer_{i}"):
+                h = jax.lax.cond(
+                    (x.mean() > 0) ^ (i % 2 == 1),  # both branches are taken across layers
+                    lambda x, p: jnp.tanh(x @ p["a"]) @ p["b"],
+                    lambda x, p: jnp.sin(x @ p["b"]) * (x @ p["a"]),
+                    x, p)
+                x = x + h
+        return jnp.mean(x**2)
+
+    return Model("cond", loss, (params, x))
+
+
+# -- jax.custom_vjp ---------------------------------------------------------------------------
+@jax.custom_vjp
+def scaled_softplus(x, w):
+    """softplus(x * w) with a hand-written (correct) VJP."""
+    return jax.nn.softplus(x * w)
+
+
+def _ssp_fwd(x, w):
+    return jax.nn.softplus(x * w), (x, w)
+
+
+def _ssp_bwd(res, g):
+    x, w = res
+    s = jax.nn.sigmoid(x * w) * g
+    return s * w, (s * x).sum(0)
+
+
+scaled_softplus.defvjp(_ssp_fwd, _ssp_bwd)
+
+
+def custom_vjp_model(depth: int = 3, width: int = 32, batch: int = 128) -> Model:
+    keys = jax.random.split(jax.random.PRNGKey(5), 2 * depth + 1)
+    params = [{"w": _normal(keys[2 * i], (width, width), width**-0.5),
+               "s": 1.0 + _normal(keys[2 * i + 1], (width,), 0.1)} for i in range(depth)]
+    x = _normal(keys[-1], (batch, width), 1.0)
+
+    def loss(params, x):
+        for i, p in enumerate(params):
+            with jax.named_scope(f"layer_{i}"):
+                x = x + scaled_softplus(_layernorm(x) @ p["w"], p["s"])
+        return jnp.mean(x**2)
+
+    return Model("custom_vjp", loss, (params, x))
+
+
+# -- dropout from a key argument --------------------------------------------------------------
+def dropout_model(depth: int = 3, width: int = 32, batch: int = 128, rate: float = 0.3) -> Model:
+    """The MLP chain with dropout after each hidden activation; `loss(params, x, key)`."""
+    m = mlp_chain(depth, width, batch)
+    params, x = m.args
+
+    def loss(params, x, key):
+        for i, p in enumerate(params):
+            with jax.named_scope(f"layer_{i}"):
+                h = jnp.tanh(_layernorm(x) @ p["w1"])
+                keep = jax.random.bernoulli(jax.random.fold_in(key, i), 1.0 - rate, h.shape)
+                h = jnp.where(keep, h / (1.0 - rate), 0.0)
+                x = x + h @ p["w2"]
+        return jnp.mean(x**2)
+
+    return Model("dropout", loss, (params, x, jax.random.PRNGKey(42)))
+
+
+# -- bf16 activations -------------------------------------------------------------------------
+def bf16_chain(depth: int = 4, width: int = 32, batch: int = 256) -> Model:
+    """The MLP chain with bf16 parameters and activations (f32 loss reduction)."""
+    m = mlp_chain(depth, width, batch, dtype=jnp.bfloat16)
+    return Model("bf16", m.loss, m.args)
+
+
+# -- a per-example loss for vmap -------------------------------------------------------------
+def per_example_mlp(depth: int = 3, width: int = 16) -> tuple[Callable, Any, Any]:
+    """(loss(params, x_row) -> scalar, params, xs[batch, width]) for vmap over examples."""
+    m = mlp_chain(depth, width, batch=32)
+    params, xs = m.args
+
+    def loss(params, x_row):
+        return m.loss(params, x_row[None])
+
+    return loss, params, xs
+
+
+ALL_GRAD_MODELS: dict[str, Callable[[], Model]] = {
+    "mlp_chain": mlp_chain,
+    "decoder": decoder,
+    "unet": unet,
+    "scan": scan_layers,
+    "cond": cond_model,
+    "custom_vjp": custom_vjp_model,
+    "dropout": dropout_model,
+}
+
+
+def tree_max_rel_err(a, b) -> float:
+    """max over leaves of max|a - b| / max|b| (relative to each leaf's scale)."""
+    errs = jax.tree_util.tree_map(
+        lambda u, v: float(jnp.max(jnp.abs(u.astype(jnp.float32) - v.astype(jnp.float32)))
+                           / (float(jnp.max(jnp.abs(v.astype(jnp.float32)))) + 1e-30)), a, b)
+    return max(jax.tree_util.tree_leaves(errs))
