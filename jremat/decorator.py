@@ -56,8 +56,9 @@ def auto(
                                  verify=verify, prevent_cse=prevent_cse, max_rounds=max_rounds)
     if isinstance(fn, type) or not callable(fn):
         raise TypeError(
-            f"jremat.auto decorates a function; got {fn!r}. Flax modules are wrapped with "
-            "jremat.flax.auto."
+            f"jremat.auto decorates a function that returns a scalar loss; got {fn!r}. Flax "
+            "Module classes are not supported by this version: wrap the loss that applies the "
+            "module instead, or use nn.remat with a policy from jremat.policies."
         )
     plans: dict[Any, Any] = {}
     runners: dict[Any, Callable[..., Any]] = {}

@@ -28,6 +28,7 @@ class Segment:
       stored_bytes: predicted bytes this segment keeps from forward to backward.
       transient_bytes: predicted bytes live while its backward pass runs (recompute included).
       recompute_flops: predicted FLOPs its backward pass recomputes.
+      source: layer name and first .. last source line of its equations (for `summary`).
     """
 
     start: int
@@ -37,6 +38,7 @@ class Segment:
     stored_bytes: int = 0
     transient_bytes: int = 0
     recompute_flops: float = 0.0
+    source: str = ""
 
     @property
     def checkpointed(self) -> bool:
@@ -96,6 +98,15 @@ class Plan:
         if pos != self.num_nodes:
             raise ValueError(f"plan segments end at {pos}, the graph has {self.num_nodes} nodes")
 
+    def annotate(self, graph: Graph) -> Plan:
+        """Record each segment's layer name and source lines from `graph`; returns self."""
+        for s in self.segments:
+            if s.end <= graph.num_nodes:
+                first, last = graph.nodes[s.start], graph.nodes[s.end - 1]
+                scope = f"[{first.name_stack}] " if first.name_stack else ""
+                s.source = f"{scope}{first.source} .. {last.source}"
+        return self
+
     # -- JSON ---------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -131,8 +142,7 @@ class Plan:
     def summary(self, graph: Graph | None = None) -> str:
         """A per-segment table: equations, policy, saved values, bytes, recompute FLOPs, source.
 
-        With the `graph` the plan was made for, each segment also names its first and last
-        source lines and the saved values' shapes.
+        With the `graph` the plan was made for, saved values' shapes are listed too.
         """
         mib = 2.0**20
         lines = [
@@ -149,12 +159,7 @@ class Plan:
             f"{'transient MiB':>14} {'recompute GFLOP':>16}  source",
         ]
         for i, s in enumerate(self.segments):
-            src = ""
-            if graph is not None and s.end <= graph.num_nodes:
-                first, last = graph.nodes[s.start], graph.nodes[s.end - 1]
-                src = f"{first.source} .. {last.source}"
-                if first.name_stack:
-                    src = f"[{first.name_stack}] " + src
+            src = s.source
             lines.append(
                 f"{i:>4} {f'{s.start}-{s.end - 1}':>11} {s.policy:>16} {len(s.saved):>6} "
                 f"{s.stored_bytes / mib:>11.2f} {s.transient_bytes / mib:>14.2f} "

@@ -174,14 +174,14 @@ def solve(prog: Program, spec: Budget, *, solver: str = "chain", verify: bool = 
     if target >= base.temp_bytes:
         p = Plan.identity(prog.graph, **meta)
         p.predicted_temp_bytes = base.temp_bytes
-        return prog.record(p, base)
+        return prog.record(p.annotate(prog.graph), base)
     planner = prog.planner(solver, max_cuts)
     min_plan = planner.min_memory_plan()
     model_min, model_none = min_plan.predicted_temp_bytes, planner.no_remat_peak()
     if not verify:
         chosen = planner.plan(target) or _raise_model_infeasible(spec, prog, model_min)
         chosen.notes.append("verify=False: chosen by the uncalibrated cost model")
-        return _finish(chosen, meta, solver)
+        return _finish(chosen, meta, solver, prog.graph)
     anchors = prog.anchors(planner)  # compiled: DP min-memory plan, per-layer and sqrt(n) remat
     fitting = [(c.flops, p, c) for p, c in anchors if c.temp_bytes <= target]
     min_c = min((c for _, c in anchors), key=lambda c: c.temp_bytes)
@@ -240,14 +240,15 @@ def solve(prog: Program, spec: Budget, *, solver: str = "chain", verify: bool = 
         min_c.temp_bytes + (chosen.predicted_temp_bytes - model_min) / max(slope, 1e-9))
     chosen.notes.append(
         f"calibrated: compiled = {min_c.temp_bytes:,} + (model - {model_min:,.0f}) / {slope:.3f}")
-    return _finish(chosen, meta, solver)
+    return _finish(chosen, meta, solver, prog.graph)
 
 
 def _key(p: Plan) -> str:
     return ";".join(f"{s.start}:{s.end}:{s.policy}" for s in p.segments)
 
 
-def _finish(p: Plan, meta: dict, solver: str) -> Plan:
+def _finish(p: Plan, meta: dict, solver: str, graph: Graph) -> Plan:
+    p.annotate(graph)
     p.budget, p.budget_temp_bytes, p.solver = meta["budget"], meta["budget_temp_bytes"], solver
     return p
 
@@ -305,4 +306,4 @@ def recipe_plan(graph: Graph, policy: str, segmentation: str = "layers") -> Plan
     if pos < graph.num_nodes:
         segs.append(Segment(pos, graph.num_nodes, KEEP))
     name = f"{policy}/{segmentation}"
-    return Plan(segs, graph.fingerprint, graph.num_nodes, solver=name)
+    return Plan(segs, graph.fingerprint, graph.num_nodes, solver=name).annotate(graph)
