@@ -4,11 +4,13 @@
 """
 
 from . import policies
+from .accumulation import accumulate, has_updated, state_bytes
 from .budget import parse_budget
 from .comparison import Comparison, compare
 from .decorator import auto
 from .errors import InfeasibleBudgetError, PlanMismatchError
 from .measure import Measurement, measure
+from .microbatching import microbatch
 from .plan import Plan, Segment
 from .planning import plan
 from .rewrite import rematerialize
@@ -24,12 +26,16 @@ __all__ = [
     "Plan",
     "PlanMismatchError",
     "Segment",
+    "accumulate",
     "auto",
     "compare",
+    "has_updated",
     "measure",
+    "microbatch",
     "parse_budget",
     "plan",
     "policies",
     "rematerialize",
+    "state_bytes",
     "trace",
 ]
