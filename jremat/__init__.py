@@ -1,6 +1,6 @@
 """jremat: automatic, budgeted rematerialization and gradient accumulation for JAX and Flax.
 
-    trace -> solve (planners) -> Plan -> rewrite (jax.checkpoint per segment) -> verify (XLA)
+trace -> solve (planners) -> Plan -> rewrite (jax.checkpoint per segment) -> verify (XLA)
 """
 
 from . import policies

@@ -74,13 +74,17 @@ class Comparison:
     def to_markdown(self) -> str:
         """A Markdown table: policy, budget, temp MiB, footprint MiB, extra FLOPs %, ..."""
         mib = 2.0**20
-        head = ("| policy | budget | temp MiB | footprint MiB | extra FLOPs % | max grad diff "
-                "| compile s | plan s |")
+        head = (
+            "| policy | budget | temp MiB | footprint MiB | extra FLOPs % | max grad diff "
+            "| compile s | plan s |"
+        )
         lines = [head, "|---|---|---:|---:|---:|---:|---:|---:|"]
         for r in self.rows:
             if r.status != "ok":
-                lines.append(f"| {r.policy} | {r.budget} | {r.note} | | | | | "
-                             f"{_fmt(r.plan_seconds, '.1f')} |")
+                lines.append(
+                    f"| {r.policy} | {r.budget} | {r.note} | | | | | "
+                    f"{_fmt(r.plan_seconds, '.1f')} |"
+                )
                 continue
             lines.append(
                 f"| {r.policy} | {r.budget if r.budget is not None else '-'} "
@@ -99,9 +103,10 @@ def _fmt(x: float | None, spec: str) -> str:
 
 
 def _max_diff(a: Any, b: Any) -> float:
-    diffs = [jnp.max(jnp.abs(x.astype(jnp.float32) - y.astype(jnp.float32)))
-             for x, y in zip(jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b),
-                             strict=True)]
+    diffs = [
+        jnp.max(jnp.abs(x.astype(jnp.float32) - y.astype(jnp.float32)))
+        for x, y in zip(jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b), strict=True)
+    ]
     return float(max(diffs)) if diffs else 0.0
 
 
@@ -154,15 +159,33 @@ def compare(
                 c, secs = base if plan is None else _timed_compile(prog, plan)
             f = fn if plan is None else rematerialize(fn, plan)
             diff = 0.0 if plan is None else _max_diff(grad(f), ref)
-            rows.append(Row(
-                name, None if spec is None else spec.raw, c.temp_bytes,
-                c.temp_bytes + c.fixed_bytes,
-                100.0 * (c.flops / base[0].flops - 1.0) if base[0].flops else 0.0,
-                diff, secs, plan_s))
+            rows.append(
+                Row(
+                    name,
+                    None if spec is None else spec.raw,
+                    c.temp_bytes,
+                    c.temp_bytes + c.fixed_bytes,
+                    100.0 * (c.flops / base[0].flops - 1.0) if base[0].flops else 0.0,
+                    diff,
+                    secs,
+                    plan_s,
+                )
+            )
         except InfeasibleBudgetError as e:
-            rows.append(Row(name, spec.raw if spec else None, None, None, None, None, 0.0,
-                            None, "infeasible", f"infeasible: smallest reachable "
-                            f"{e.smallest_reachable}"))
+            rows.append(
+                Row(
+                    name,
+                    spec.raw if spec else None,
+                    None,
+                    None,
+                    None,
+                    None,
+                    0.0,
+                    None,
+                    "infeasible",
+                    f"infeasible: smallest reachable {e.smallest_reachable}",
+                )
+            )
         bar.update(1)
     bar.close()
     return Comparison(rows, baseline_temp_bytes=base[0].temp_bytes)

@@ -52,8 +52,15 @@ def auto(
     if solver not in SOLVERS:
         raise ValueError(f"solver={solver!r} is not known; accepted: {', '.join(SOLVERS)}")
     if fn is None:
-        return functools.partial(auto, budget=budget, solver=solver, argnums=argnums,
-                                 verify=verify, prevent_cse=prevent_cse, max_rounds=max_rounds)
+        return functools.partial(
+            auto,
+            budget=budget,
+            solver=solver,
+            argnums=argnums,
+            verify=verify,
+            prevent_cse=prevent_cse,
+            max_rounds=max_rounds,
+        )
     if isinstance(fn, type) or not callable(fn):
         raise TypeError(
             f"jremat.auto decorates a function that returns a scalar loss; got {fn!r}. Flax "
@@ -69,8 +76,15 @@ def auto(
         key = signature(args)
         with lock:
             if key not in runners:
-                p = plan(fn, *abstract_args(args), budget=spec, solver=solver, argnums=argnums,
-                         verify=verify, max_rounds=max_rounds)
+                p = plan(
+                    fn,
+                    *abstract_args(args),
+                    budget=spec,
+                    solver=solver,
+                    argnums=argnums,
+                    verify=verify,
+                    max_rounds=max_rounds,
+                )
                 plans[key] = p
                 runners[key] = rematerialize(fn, p, prevent_cse=prevent_cse)
         return runners[key](*args)

@@ -85,8 +85,13 @@ class Plan:
     @classmethod
     def identity(cls, graph: Graph, **kw: Any) -> Plan:
         """The plan that rematerializes nothing."""
-        return cls([Segment(0, graph.num_nodes, KEEP)], graph.fingerprint, graph.num_nodes,
-                   solver="identity", **kw)
+        return cls(
+            [Segment(0, graph.num_nodes, KEEP)],
+            graph.fingerprint,
+            graph.num_nodes,
+            solver="identity",
+            **kw,
+        )
 
     def validate(self) -> None:
         """Check the segments tile `[0, num_nodes)`; raise ValueError otherwise."""

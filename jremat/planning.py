@@ -98,8 +98,10 @@ class Program:
         if planner.name not in self._anchors:
             plans = [planner.min_memory_plan()]
             if len(layer_segments(self.graph)) > 1:
-                plans += [recipe_plan(self.graph, "nothing_saveable", "layers"),
-                          recipe_plan(self.graph, "nothing_saveable", "sqrt_n")]
+                plans += [
+                    recipe_plan(self.graph, "nothing_saveable", "layers"),
+                    recipe_plan(self.graph, "nothing_saveable", "sqrt_n"),
+                ]
             self._anchors[planner.name] = [(p, self.compile(p)) for p in plans]
         return [(copy.deepcopy(p), c) for p, c in self._anchors[planner.name]]
 
@@ -114,8 +116,9 @@ def _has_scan(graph: Graph) -> bool:
     from ._compat import subjaxprs
 
     def walk(eqns) -> bool:
-        return any(e.primitive.name == "scan" or any(walk(j.eqns) for j in subjaxprs(e))
-                   for e in eqns)
+        return any(
+            e.primitive.name == "scan" or any(walk(j.eqns) for j in subjaxprs(e)) for e in eqns
+        )
 
     return walk([n.eqn for n in graph.nodes])
 
@@ -161,12 +164,18 @@ def plan(
     if not isinstance(max_rounds, int) or max_rounds < 1:
         raise ValueError(f"max_rounds must be an int >= 1, got {max_rounds!r}")
     prog = Program(fn, args, argnums)
-    return solve(prog, spec, solver=solver, verify=verify, max_rounds=max_rounds,
-                 max_cuts=max_cuts)
+    return solve(prog, spec, solver=solver, verify=verify, max_rounds=max_rounds, max_cuts=max_cuts)
 
 
-def solve(prog: Program, spec: Budget, *, solver: str = "chain", verify: bool = True,
-          max_rounds: int = 4, max_cuts: int = 160) -> Plan:
+def solve(
+    prog: Program,
+    spec: Budget,
+    *,
+    solver: str = "chain",
+    verify: bool = True,
+    max_rounds: int = 4,
+    max_cuts: int = 160,
+) -> Plan:
     """`plan` on an already traced `Program` (lets callers reuse the baseline compile)."""
     base = prog.baseline
     target = spec.temp_bytes(base.temp_bytes, base.fixed_bytes)
@@ -186,14 +195,16 @@ def solve(prog: Program, spec: Budget, *, solver: str = "chain", verify: bool = 
     fitting = [(c.flops, p, c) for p, c in anchors if c.temp_bytes <= target]
     min_c = min((c for _, c in anchors), key=lambda c: c.temp_bytes)
     if not fitting:
-        smallest = spec.in_caller_unit(min(min_c.temp_bytes, base.temp_bytes), base.temp_bytes,
-                                       base.fixed_bytes)
+        smallest = spec.in_caller_unit(
+            min(min_c.temp_bytes, base.temp_bytes), base.temp_bytes, base.fixed_bytes
+        )
         raise InfeasibleBudgetError(
             f"budget={spec.raw!r} is below what rematerialization can reach for this program: "
             f"the smallest reachable budget is {spec.describe(smallest)}; compiled temp "
             f"{min_c.temp_bytes:,} bytes vs {base.temp_bytes:,} unrematerialized. Raise the "
             "budget, or cut activations another way (smaller microbatches: jremat.microbatch).",
-            budget=spec.raw, smallest_reachable=smallest,
+            budget=spec.raw,
+            smallest_reachable=smallest,
             smallest_reachable_bytes=min_c.temp_bytes,
         )
     min_c = anchors[0][1]
@@ -213,7 +224,8 @@ def solve(prog: Program, spec: Budget, *, solver: str = "chain", verify: bool = 
             ok = c.temp_bytes <= target
             log.append(
                 f"round {round_}: model budget {model_budget:,.0f} -> compiled temp "
-                f"{c.temp_bytes:,} ({'fits' if ok else 'over'})")
+                f"{c.temp_bytes:,} ({'fits' if ok else 'over'})"
+            )
             if ok:
                 lo = max(lo, model_budget)
                 if c.flops < best[0]:
@@ -237,9 +249,11 @@ def solve(prog: Program, spec: Budget, *, solver: str = "chain", verify: bool = 
     chosen = prog.record(chosen, c)
     chosen.notes.extend(log)
     chosen.predicted_temp_bytes = int(
-        min_c.temp_bytes + (chosen.predicted_temp_bytes - model_min) / max(slope, 1e-9))
+        min_c.temp_bytes + (chosen.predicted_temp_bytes - model_min) / max(slope, 1e-9)
+    )
     chosen.notes.append(
-        f"calibrated: compiled = {min_c.temp_bytes:,} + (model - {model_min:,.0f}) / {slope:.3f}")
+        f"calibrated: compiled = {min_c.temp_bytes:,} + (model - {model_min:,.0f}) / {slope:.3f}"
+    )
     return _finish(chosen, meta, solver, prog.graph)
 
 
@@ -259,7 +273,10 @@ def _raise_model_infeasible(spec: Budget, prog: Program, model_min: float):
     raise InfeasibleBudgetError(
         f"budget={spec.raw!r} is below the smallest the cost model reaches "
         f"({spec.describe(smallest)}; verify=False, so this is the model's estimate)",
-        budget=spec.raw, smallest_reachable=smallest, smallest_reachable_bytes=int(model_min))
+        budget=spec.raw,
+        smallest_reachable=smallest,
+        smallest_reachable_bytes=int(model_min),
+    )
 
 
 # -- fixed recipes: built-in policies per layer, sqrt(n) -------------------------------------

@@ -125,8 +125,10 @@ def get(name: str, **params: Any) -> Policy:
         return _FACTORIES[name](**params)
     hint = ""
     if name == "save_anything_except_these_names":
-        hint = (" (jax's save_anything_except_these_names behaves as everything_saveable; use "
-                "save_any_names_but_these)")
+        hint = (
+            " (jax's save_anything_except_these_names behaves as everything_saveable; use "
+            "save_any_names_but_these)"
+        )
     raise ValueError(f"unknown policy {name!r}{hint}; accepted: {', '.join(names())}")
 
 

@@ -35,8 +35,14 @@ def workload(
         ) from e
     transformers.logging.set_verbosity_error()
     config = GPT2Config(
-        vocab_size=257, n_positions=seq_len, n_embd=n_embd, n_layer=n_layer, n_head=n_head,
-        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+        vocab_size=257,
+        n_positions=seq_len,
+        n_embd=n_embd,
+        n_layer=n_layer,
+        n_head=n_head,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
     )
     model = FlaxGPT2LMHeadModel(config, seed=0, _do_init=True)
     batch = jnp.asarray(data.batches(batch_size, seq_len, seed=0))
@@ -47,6 +53,9 @@ def workload(
         return -jnp.take_along_axis(logp, tokens[:, 1:, None], axis=-1).mean()
 
     return Workload(
-        "gpt2", loss, model.params, batch,
+        "gpt2",
+        loss,
+        model.params,
+        batch,
         f"HF Flax GPT-2, {n_layer} layers, d={n_embd}, batch {batch_size}x{seq_len} bytes of text",
     )

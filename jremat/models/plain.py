@@ -35,20 +35,28 @@ def mlp_workload(depth: int = 12, width: int = 512, batch_size: int = 256) -> Wo
 
 
 def _conv(x, w):
-    return jax.lax.conv_general_dilated(x, w, (1, 1), "SAME", dimension_numbers=("NHWC", "HWIO", "NHWC"))
+    return jax.lax.conv_general_dilated(
+        x, w, (1, 1), "SAME", dimension_numbers=("NHWC", "HWIO", "NHWC")
+    )
 
 
-def unet_workload(depth: int = 3, channels: int = 16, size: int = 32, batch_size: int = 8) -> Workload:
+def unet_workload(
+    depth: int = 3, channels: int = 16, size: int = 32, batch_size: int = 8
+) -> Workload:
     """A U-Net-like conv net: `depth` down blocks, up blocks joined by long skip connections."""
     key = jax.random.PRNGKey(1)
     params = {"down": [], "up": []}
     c = 3
     for i in range(depth):
-        params["down"].append(jax.random.normal(jax.random.fold_in(key, i), (3, 3, c, channels * 2**i)) * 0.1)
+        params["down"].append(
+            jax.random.normal(jax.random.fold_in(key, i), (3, 3, c, channels * 2**i)) * 0.1
+        )
         c = channels * 2**i
     for i in reversed(range(depth)):
         cin = c + channels * 2**i
-        params["up"].append(jax.random.normal(jax.random.fold_in(key, 100 + i), (3, 3, cin, channels * 2**i)) * 0.1)
+        params["up"].append(
+            jax.random.normal(jax.random.fold_in(key, 100 + i), (3, 3, cin, channels * 2**i)) * 0.1
+        )
         c = channels * 2**i
     params["head"] = jax.random.normal(jax.random.fold_in(key, 999), (1, 1, c, 3)) * 0.1
     x = jax.random.normal(jax.random.fold_in(key, 7), (batch_size, size, size, 3))
@@ -60,7 +68,9 @@ def unet_workload(depth: int = 3, channels: int = 16, size: int = 32, batch_size
             with jax.named_scope(f"down_{i}"):
                 h = jax.nn.relu(_conv(h, w))
                 skips.append(h)
-                h = jax.lax.reduce_window(h, -jnp.inf, jax.lax.max, (1, 2, 2, 1), (1, 2, 2, 1), "VALID")
+                h = jax.lax.reduce_window(
+                    h, -jnp.inf, jax.lax.max, (1, 2, 2, 1), (1, 2, 2, 1), "VALID"
+                )
         for i, w in enumerate(params["up"]):
             with jax.named_scope(f"up_{i}"):
                 skip = skips.pop()
@@ -69,4 +79,6 @@ def unet_workload(depth: int = 3, channels: int = 16, size: int = 32, batch_size
         out = _conv(h, params["head"])
         return jnp.mean((out - x) ** 2)
 
-    return Workload("unet", loss, params, x, f"U-Net, depth {depth}, {channels} channels, {size}x{size}")
+    return Workload(
+        "unet", loss, params, x, f"U-Net, depth {depth}, {channels} channels, {size}x{size}"
+    )

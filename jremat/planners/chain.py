@@ -48,7 +48,9 @@ def min_memory(t: SegmentTable) -> tuple[float, list[tuple[int, int, str]]]:
     return best[0][0], _walk(choice, m)
 
 
-def within_budget(t: SegmentTable, budget: float) -> tuple[float, list[tuple[int, int, str]]] | None:
+def within_budget(
+    t: SegmentTable, budget: float
+) -> tuple[float, list[tuple[int, int, str]]] | None:
     """Fewest recompute FLOPs with modelled peak <= budget bytes; None when infeasible.
 
     Suffix DP over (cut, memory left) with the memory axis in GRID buckets (stores rounded up,
@@ -66,7 +68,7 @@ def within_budget(t: SegmentTable, budget: float) -> tuple[float, list[tuple[int
     arg_mode = np.zeros((m, GRID + 1), dtype=np.int8)
     for a in range(m - 2, -1, -1):
         for b in range(a + 1, m):
-            for k, (mode, stored, trans, fl) in enumerate(_options(t, a, b)):
+            for k, (_mode, stored, trans, fl) in enumerate(_options(t, a, b)):
                 shift = int(math.ceil(stored / q - 1e-9))
                 if shift > GRID:
                     continue
@@ -122,8 +124,14 @@ def to_plan(graph: Graph, t: SegmentTable, segs, solver: str = "chain") -> Plan:
             prev.transient_bytes = max(prev.transient_bytes, int(trans))
             continue
         out.append(Segment(t.cuts[a], t.cuts[b], mode, [], int(stored), int(trans), float(fl)))
-    return Plan(out, graph.fingerprint, graph.num_nodes, solver=solver,
-                predicted_temp_bytes=int(peak), recompute_flops=flops)
+    return Plan(
+        out,
+        graph.fingerprint,
+        graph.num_nodes,
+        solver=solver,
+        predicted_temp_bytes=int(peak),
+        recompute_flops=flops,
+    )
 
 
 class ChainPlanner:

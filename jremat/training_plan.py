@@ -1,0 +1,291 @@
+"""`plan_training`: choose microbatching and rematerialization for a train step under a budget.
+
+Two ways cut the activation memory of a training step:
+
+* gradient accumulation over ``k`` microbatches inside the step
+  (:func:`jremat.microbatch`, the in-step form of ``optax.MultiSteps``): peak activations are
+  those of one microbatch of ``batch / k`` examples, for about the same FLOPs;
+* rematerialization (Chen et al. 2016, "Training Deep Nets with Sublinear Memory Cost",
+  arXiv:1604.06174) of the loss on one microbatch (:func:`jremat.plan`): fewer saved
+  activations, paid for with recomputation in the backward pass.
+
+:func:`plan_training` compiles the whole train step for each configuration it considers
+(``jit`` of the microbatched, possibly rematerialized ``value_and_grad``, then
+``optimizer.update`` and ``optax.apply_updates`` when an optimizer is given), reads XLA's
+footprint (``memory_analysis()``: argument + output - alias + temp bytes) and FLOPs
+(``cost_analysis()["flops"]``, with loop bodies counted once per trip), and keeps the
+configuration that fits the byte budget with the fewest FLOPs (ties: fewer microbatches).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+import jax
+import optax
+
+from . import _compat
+from .budget import parse_budget
+from .errors import InfeasibleBudgetError
+from .measure import _correction, xla_flops
+from .microbatching import _batch_size, microbatch
+from .plan import Plan
+from .planning import Program, _key, abstract_args, solve
+from .rewrite import rematerialize
+
+__all__ = ["TrainingPlan", "plan_training"]
+
+DEFAULT_REMAT_BUDGETS = (0.5, 0.25)
+
+
+@dataclasses.dataclass
+class TrainingPlan:
+    """The configuration :func:`plan_training` chose, and what it measured.
+
+    Attributes:
+      num_microbatches: ``k``, the number of microbatches the batch is split into (along
+        axis 0) inside one step; 1 means no microbatching.
+      plan: the rematerialization :class:`jremat.Plan` of ``loss_fn`` on one microbatch
+        (shapes ``batch / k``), or None for no rematerialization.
+      predicted_footprint_bytes: compiled footprint of the chosen train step in bytes
+        (argument + output - alias + temp, from ``compiled.memory_analysis()``).
+      flops: compiled FLOPs of the chosen train step (``cost_analysis()["flops"]``, loop
+        bodies counted once per trip).
+      alternatives: one dict per configuration considered, in the order compiled:
+        ``{"k": int, "remat_budget": float | None, "footprint_bytes": int | None,
+        "temp_bytes": int | None, "flops": float | None, "fits": bool}`` (plus ``"error"``,
+        a message, when planning that configuration failed; its bytes and flops are None).
+      value_and_grad: ``(params, batch) -> (loss, grads)`` to call inside the jitted train
+        step: the full-batch mean loss (scalar, dtype of ``loss_fn``'s output) and gradients
+        (structure and dtypes of ``params``), computed over ``num_microbatches`` microbatches
+        with the rematerialized loss.
+      budget_bytes: the byte budget the plan was made for.
+    """
+
+    num_microbatches: int
+    plan: Plan | None
+    predicted_footprint_bytes: int
+    flops: float
+    alternatives: list[dict[str, Any]]
+    value_and_grad: Callable[[Any, Any], tuple[Any, Any]]
+    budget_bytes: int = 0
+
+    def summary(self) -> str:
+        """A few human-readable lines: the choice and every alternative."""
+        remat = "none" if self.plan is None else f"budget {self.plan.budget}"
+        lines = [
+            f"TrainingPlan: k={self.num_microbatches}, remat={remat}, footprint "
+            f"{self.predicted_footprint_bytes:,} B <= budget {self.budget_bytes:,} B, "
+            f"{self.flops:,.0f} FLOPs"
+        ]
+        for a in self.alternatives:
+            fp = "-" if a["footprint_bytes"] is None else f"{a['footprint_bytes']:,} B"
+            fl = "-" if a["flops"] is None else f"{a['flops']:,.0f}"
+            rb = "none" if a["remat_budget"] is None else a["remat_budget"]
+            extra = f" ({a['error']})" if "error" in a else ""
+            lines.append(
+                f"  k={a['k']:<3} remat={rb!s:<5} footprint={fp:>16} flops={fl:>16} "
+                f"{'fits' if a['fits'] else 'over'}{extra}"
+            )
+        return "\n".join(lines)
+
+
+def _default_candidates(size: int) -> list[int]:
+    out, k = [], 1
+    while k <= size:
+        if size % k == 0:
+            out.append(k)
+        k *= 2
+    return out
+
+
+def _check_candidates(candidates: Iterable[int], size: int) -> list[int]:
+    ks = []
+    for k in candidates:
+        if isinstance(k, bool) or not isinstance(k, int) or k <= 0 or size % k:
+            raise ValueError(
+                f"candidates must be positive ints dividing the batch size {size}; got {k!r}."
+            )
+        ks.append(int(k))
+    if not ks:
+        raise ValueError("candidates must name at least one number of microbatches.")
+    return sorted(set(ks))
+
+
+def _value_and_grad(loss_fn: Callable[..., Any], k: int, plan: Plan | None):
+    f = loss_fn if plan is None else rematerialize(loss_fn, plan)
+    return jax.value_and_grad(f) if k == 1 else microbatch(f, k)
+
+
+def _step(vg: Callable[..., Any], optimizer: Any):
+    if optimizer is None:
+        return jax.jit(vg), None
+
+    def step(params, opt_state, batch):
+        loss, grads = vg(params, batch)
+        updates, opt_state = optimizer.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+
+    return jax.jit(step, donate_argnums=(0, 1)), step
+
+
+def _measure(vg, optimizer, args: Sequence[Any]) -> tuple[int, int, float]:
+    """(footprint bytes, temp bytes, flops) of the compiled train step."""
+    jitted, raw = _step(vg, optimizer)
+    compiled = jitted.lower(*args).compile()
+    mem = compiled.memory_analysis()
+    temp = int(mem.temp_size_in_bytes)
+    footprint = (int(mem.argument_size_in_bytes) + int(mem.output_size_in_bytes)
+                 - int(mem.alias_size_in_bytes) + temp)
+    # XLA counts a loop body once; add (trips - 1) bodies for every scan (the microbatch loop
+    # and any scan inside the loss).
+    jaxpr = jax.make_jaxpr(raw if raw is not None else vg)(*args)
+    flops = xla_flops(compiled) + _correction(_compat.closed(jaxpr)[0], {})
+    return footprint, temp, flops
+
+
+def plan_training(
+    loss_fn: Callable[[Any, Any], Any],
+    params: Any,
+    batch: Any,
+    *,
+    budget: Any,
+    optimizer: Any = None,
+    candidates: Iterable[int] | None = None,
+    remat_budgets: Sequence[float] = DEFAULT_REMAT_BUDGETS,
+) -> TrainingPlan:
+    """Choose microbatches and rematerialization so the compiled train step fits ``budget``.
+
+    For each number of microbatches ``k`` in ``candidates`` (ascending) it compiles the train
+    step without rematerialization; if that does not fit, it plans rematerialization of
+    ``loss_fn`` on one microbatch with ``jremat.plan(loss_fn, params, micro_batch,
+    budget=f)`` for each fraction ``f`` of ``remat_budgets`` (Chen et al. 2016), and compiles
+    the step with each plan until one fits. It stops after the first ``k`` whose step fits
+    without rematerialization (larger ``k`` then only adds loop overhead, and
+    rematerialization only adds FLOPs). Among the configurations that fit it returns the one
+    with the fewest compiled FLOPs, ties going to fewer microbatches.
+
+    The train step compiled is ``jax.jit`` of::
+
+        loss, grads = value_and_grad(params, batch)              # microbatched, remat'd
+        updates, opt_state = optimizer.update(grads, opt_state, params)
+        params = optax.apply_updates(params, updates)            # -> (params, opt_state, loss)
+
+    with ``params`` and ``opt_state`` donated (``donate_argnums=(0, 1)``), or, without an
+    optimizer, ``jax.jit(value_and_grad)`` (returning loss and grads). Write your step the
+    same way (donating too) for the predicted footprint to hold. Gradient accumulation is
+    the in-step form of ``optax.MultiSteps`` (see :func:`jremat.microbatch`); the result
+    equals ``jax.value_and_grad(loss_fn)(params, batch)`` up to float rounding.
+
+    Args:
+      loss_fn: ``loss_fn(params, batch) -> scalar`` floating-point loss, the **mean** over
+        the examples of ``batch`` (so that the mean of microbatch means is the batch mean).
+      params: pytree of floating arrays (or ``jax.ShapeDtypeStruct``), differentiated.
+      batch: pytree of arrays (or ``ShapeDtypeStruct``) sharing a leading batch axis of size
+        ``B``; only shapes and dtypes are used.
+      budget: the step's device memory cap in bytes: an int, a string such as ``"64MiB"`` or
+        ``"1GB"`` (:func:`jremat.parse_budget`), or ``"auto"`` (free device memory).
+      optimizer: an ``optax.GradientTransformation`` whose update is part of the step (its
+        state, ``optimizer.init(params)``, then counts in the footprint), or None.
+      candidates: numbers of microbatches to consider, each dividing ``B``; default the
+        powers of two dividing ``B`` (1, 2, 4, ...).
+      remat_budgets: fractions in (0, 1] of one microbatch's unrematerialized temp bytes to
+        try for rematerialization, in order; default (0.5, 0.25). Empty: no remat.
+
+    Returns:
+      A :class:`TrainingPlan`.
+
+    Raises:
+      ValueError: ``budget`` is a fraction (a fraction is relative to one program's temp
+        bytes, and the programs compared here differ, so it has no common meaning) or
+        otherwise invalid; a candidate that does not divide ``B``; a batch without a common
+        leading axis.
+      InfeasibleBudgetError: no configuration fits; the message and its
+        ``smallest_reachable`` give the smallest footprint found (bytes), and
+        ``smallest_reachable_bytes`` that configuration's temp bytes.
+      TypeError: ``loss_fn`` does not return a scalar float; ``optimizer`` has no
+        ``init``/``update``.
+    """
+    spec = parse_budget(budget)
+    if spec.fraction is not None:
+        raise ValueError(
+            f"plan_training needs a budget in bytes (an int, or a string such as \"64MiB\"); "
+            f"got the fraction {budget!r}. A fraction is relative to the temp bytes of one "
+            "unrematerialized program, and the train steps compared here (different numbers of "
+            "microbatches, with or without optimizer state) are different programs, so it has "
+            "no common meaning. Use jremat.plan / jremat.auto for fraction budgets."
+        )
+    limit = int(spec.footprint_bytes)
+    if optimizer is not None and not (callable(getattr(optimizer, "init", None))
+                                      and callable(getattr(optimizer, "update", None))):
+        raise TypeError(
+            "optimizer must be an optax.GradientTransformation (with init and update) or None; "
+            f"got {type(optimizer).__name__}."
+        )
+    for f in remat_budgets:
+        if isinstance(f, bool) or not isinstance(f, float) or not 0 < f <= 1:
+            raise ValueError(f"remat_budgets must be floats in (0, 1]; got {f!r}.")
+    params_a, batch_a = abstract_args((params, batch))
+    size = _batch_size(batch_a, 1)
+    ks = _default_candidates(size) if candidates is None else _check_candidates(candidates, size)
+    if optimizer is None:
+        step_args: tuple[Any, ...] = (params_a, batch_a)
+    else:
+        state_a = jax.eval_shape(optimizer.init, params_a)
+        step_args = (params_a, state_a, batch_a)
+
+    alternatives: list[dict[str, Any]] = []
+    fitting: list[tuple[float, int, int, int, Plan | None]] = []
+
+    def consider(k: int, rb: float | None, p: Plan | None) -> bool:
+        fp, temp, flops = _measure(_value_and_grad(loss_fn, k, p), optimizer, step_args)
+        ok = fp <= limit
+        alternatives.append(dict(k=k, remat_budget=rb, footprint_bytes=fp, temp_bytes=temp,
+                                 flops=flops, fits=ok))
+        if ok:
+            fitting.append((flops, k, fp, len(alternatives) - 1, p))
+        return ok
+
+    for k in ks:
+        if consider(k, None, None):
+            break  # fits without remat: larger k or remat would only add FLOPs
+        micro = jax.tree.map(
+            lambda x: jax.ShapeDtypeStruct((x.shape[0] // k, *x.shape[1:]), x.dtype), batch_a)
+        prog = Program(loss_fn, (params_a, micro), 0)
+        seen: set[str] = set()
+        for rb in remat_budgets:
+            try:
+                p = solve(prog, parse_budget(rb))
+            except InfeasibleBudgetError as e:
+                alternatives.append(dict(k=k, remat_budget=rb, footprint_bytes=None,
+                                         temp_bytes=None, flops=None, fits=False,
+                                         error=f"remat infeasible: {str(e).split(':')[0]}"))
+                break  # a smaller fraction is infeasible too
+            if p.is_identity or _key(p) in seen:
+                continue
+            seen.add(_key(p))
+            if consider(k, rb, p):
+                break  # smaller fractions would only recompute more
+
+    if not fitting:
+        measured = [a for a in alternatives if a["footprint_bytes"] is not None]
+        best = min(measured, key=lambda a: a["footprint_bytes"])
+        smallest = best["footprint_bytes"]
+        rb = "none" if best["remat_budget"] is None else best["remat_budget"]
+        raise InfeasibleBudgetError(
+            f"budget={budget!r} ({limit:,} bytes) is below every train step considered: the "
+            f"smallest compiled footprint found is {smallest:,} bytes ({smallest / 2**20:.2f} "
+            f"MiB), with k={best['k']} microbatches and remat budget {rb} (tried k in {ks}, "
+            f"remat budgets {list(remat_budgets)}). Raise the budget, or try more microbatches "
+            "(candidates=...) or smaller remat fractions (remat_budgets=...).",
+            budget=spec.raw, smallest_reachable=smallest,
+            smallest_reachable_bytes=best["temp_bytes"],
+        )
+    flops, k, fp, _, p = min(fitting, key=lambda t: t[:4])
+    return TrainingPlan(
+        num_microbatches=k, plan=p, predicted_footprint_bytes=fp, flops=flops,
+        alternatives=alternatives, value_and_grad=_value_and_grad(loss_fn, k, p),
+        budget_bytes=limit,
+    )
