@@ -15,6 +15,7 @@ from .plan import Plan, Segment
 from .planning import plan
 from .rewrite import rematerialize
 from .trace import Graph, trace
+from .training_plan import TrainingPlan, plan_training
 
 __version__ = "0.1.0"
 
@@ -26,6 +27,7 @@ __all__ = [
     "Plan",
     "PlanMismatchError",
     "Segment",
+    "TrainingPlan",
     "accumulate",
     "auto",
     "compare",
@@ -34,6 +36,7 @@ __all__ = [
     "microbatch",
     "parse_budget",
     "plan",
+    "plan_training",
     "policies",
     "rematerialize",
     "state_bytes",

@@ -252,7 +252,7 @@ def plan_training(
         if consider(k, None, None):
             break  # fits without remat: larger k or remat would only add FLOPs
         micro = jax.tree.map(
-            lambda x: jax.ShapeDtypeStruct((x.shape[0] // k, *x.shape[1:]), x.dtype), batch_a)
+            lambda x, k=k: jax.ShapeDtypeStruct((x.shape[0] // k, *x.shape[1:]), x.dtype), batch_a)
         prog = Program(loss_fn, (params_a, micro), 0)
         seen: set[str] = set()
         for rb in remat_budgets:
