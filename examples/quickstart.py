@@ -1,6 +1,10 @@
 """The README's example: `jremat.auto` on a plain JAX loss (runs in seconds on a CPU)."""
 
-import jax, jax.numpy as jnp, jremat
+import jax
+import jax.numpy as jnp
+
+import jremat
+
 k = jax.random.split(jax.random.PRNGKey(0), 17)
 params = [(jax.random.normal(k[i], (256, 512)) / 16, jax.random.normal(k[i + 8], (512, 256)) / 23)
           for i in range(8)]
