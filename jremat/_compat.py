@@ -13,8 +13,8 @@ JAX_VERSION: tuple[int, ...] = tuple(int(p) for p in jax.__version__.split(".")[
 #: jax 0.10's XLA:CPU pipeline expands the optimization barrier that `jax.checkpoint` puts on a
 #: recompute, then CSE merges the recompute back into the forward pass and the scheduler hoists
 #: what is left: a 16-layer per-layer `nothing_saveable` chain compiles to the same 264 MiB of
-#: temp as no remat (jax 0.12: 144 MiB). There, segments that save nothing use
-#: `rewrite.tied_remat`, whose recompute depends on the incoming cotangent (measured: 144 MiB).
+#: temp as no remat (jax 0.12: 144 MiB). There, segments run under `rewrite.tied_checkpoint`,
+#: whose recompute depends on the incoming cotangent (measured: 144 MiB, as on jax 0.12).
 TIED_RECOMPUTE = JAX_VERSION < (0, 11)
 
 #: Primitives whose body jremat inlines into the surrounding graph (a plain call, no semantics).

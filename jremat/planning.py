@@ -27,6 +27,15 @@ from .rewrite import rematerialize
 from .trace import Graph, _check_differentiable, build_graph, normalize_argnums
 
 SOLVERS = ("chain",)
+#: Fixed recipes compiled next to every plan search: JAX's built-in policies per layer and
+#: sqrt(n) segments. `plan` returns the cheapest compiled plan that fits, so it never recomputes
+#: more than any of these when one fits the budget.
+ANCHOR_RECIPES = (
+    ("nothing_saveable", "layers"),
+    ("nothing_saveable", "sqrt_n"),
+    ("dots_with_no_batch_dims_saveable", "layers"),
+    ("dots_saveable", "layers"),
+)
 
 
 def abstract_args(args: Sequence[Any]) -> tuple[Any, ...]:
@@ -93,15 +102,13 @@ class Program:
         return self._planners[key]
 
     def anchors(self, planner) -> list[tuple[Plan, Compiled]]:
-        """Compiled reference plans, first the planner's min-memory plan, then per-layer full
-        remat and sqrt(n) segments (Chen et al. 2016). Compiled once per program."""
+        """Compiled reference plans, first the planner's min-memory plan, then `ANCHOR_RECIPES`
+        (built-in policies per layer, sqrt(n) segments of Chen et al. 2016). Compiled once per
+        program."""
         if planner.name not in self._anchors:
             plans = [planner.min_memory_plan()]
             if len(layer_segments(self.graph)) > 1:
-                plans += [
-                    recipe_plan(self.graph, "nothing_saveable", "layers"),
-                    recipe_plan(self.graph, "nothing_saveable", "sqrt_n"),
-                ]
+                plans += [recipe_plan(self.graph, policy, seg) for policy, seg in ANCHOR_RECIPES]
             self._anchors[planner.name] = [(p, self.compile(p)) for p in plans]
         return [(copy.deepcopy(p), c) for p, c in self._anchors[planner.name]]
 

@@ -45,37 +45,39 @@ def _eval_nodes(nodes: Sequence[Any], env: dict[int, Any], tag: dict[int, str]) 
             env[o] = checkpoint_name(val, tag[o]) if o in tag else val
 
 
-def tied_remat(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """`jax.checkpoint(fn, policy=nothing_saveable)` whose recompute waits for the cotangent.
+def tied_checkpoint(
+    fn: Callable[..., Any], policy: Callable[..., Any], prevent_cse: bool = True
+) -> Callable[..., Any]:
+    """`jax.checkpoint(fn, policy=policy)` whose recompute waits for the incoming cotangent.
 
-    The forward pass keeps only `fn`'s inputs. The backward pass adds `0 * ct[0]` (a scalar from
-    the incoming cotangent) to every floating input before recomputing, a true data dependency
-    that XLA can neither CSE with the forward pass nor schedule before the cotangent exists.
-    Used where `jax.checkpoint`'s barrier does not hold (`_compat.TIED_RECOMPUTE`). A cotangent
-    holding inf/NaN turns the recompute's inputs to NaN, as it would the gradient anyway.
-    Supports reverse mode (grad, vjp) and vmap; not forward mode (jvp).
+    The forward pass runs `jax.vjp` of the checkpointed `fn` and keeps its residuals (the
+    inputs and what `policy` saves). The backward pass adds `0 * ct[0]` (a scalar from the
+    cotangent) to every floating residual before running the VJP: a true data dependency that
+    XLA can neither CSE with the forward pass nor schedule before the cotangent exists. Used
+    where `jax.checkpoint`'s barrier does not hold (`_compat.TIED_RECOMPUTE`). A cotangent
+    holding inf/NaN turns the residuals to NaN, as it would the gradient anyway. Supports
+    reverse mode (grad, vjp) and vmap; not forward mode (jvp).
     """
+    checkpointed = jax.checkpoint(fn, policy=policy, prevent_cse=prevent_cse)
 
     @jax.custom_vjp
     def f(*ins):
-        return fn(*ins)
+        return checkpointed(*ins)
 
     def fwd(*ins):
-        return fn(*ins), ins
+        return jax.vjp(checkpointed, *ins)
 
-    def bwd(ins, ct):
+    def bwd(vjp_fn, ct):
         floats = [c for c in jax.tree_util.tree_leaves(ct) if _compat.is_float_dtype(c.dtype)]
         tie = sum(c.reshape(-1)[0].astype("float32") for c in floats if c.size) * 0.0
-        tied = [x + tie.astype(x.dtype) if _compat.is_float_dtype(x.dtype) else x for x in ins]
-        _, vjp = jax.vjp(fn, *tied)
-        return vjp(ct)
+
+        def tied(r):
+            return r + tie.astype(r.dtype) if _compat.is_float_dtype(r.dtype) else r
+
+        return jax.tree_util.tree_map(tied, vjp_fn)(ct)
 
     f.defvjp(fwd, bwd)
     return f
-
-
-def _saves_nothing(seg: Segment) -> bool:
-    return (seg.policy == SAVE_NAMES and not seg.saved) or seg.policy == "nothing_saveable"
 
 
 def segment_policy(seg: Segment) -> Callable[..., Any]:
@@ -106,8 +108,8 @@ def run_graph(graph: Graph, plan: Plan, flat_args: Sequence[Any], *, prevent_cse
             _eval_nodes(nodes, local, tag)
             return [local[o] for o in live_out]
 
-        if _compat.TIED_RECOMPUTE and _saves_nothing(seg):
-            run = tied_remat(seg_fn)
+        if _compat.TIED_RECOMPUTE:
+            run = tied_checkpoint(seg_fn, segment_policy(seg), prevent_cse)
         else:
             run = jax.checkpoint(seg_fn, policy=segment_policy(seg), prevent_cse=prevent_cse)
         env.update(zip(live_out, run(*[env[i] for i in live_in]), strict=True))
