@@ -1,13 +1,28 @@
-"""Workloads for `jremat compare`: a loss, its parameters and a batch.
+"""Model zoo for `jremat compare`: each workload is a loss, its parameters and a batch.
 
-`gpt2` (the default) is Hugging Face's `FlaxGPT2LMHeadModel` built from a config with random
-weights (needs the `models` extra: `transformers<5`), fed byte-tokenized public-domain text that
-jremat carries (`jremat.data`). `mlp` and `unet` are plain-JAX models that need nothing extra.
+| name | model | source | needs |
+|---|---|---|---|
+| `gpt2` (default) | GPT-2 decoder, byte-level text | `transformers.FlaxGPT2LMHeadModel` | `jremat[zoo]` |
+| `vit` | Vision Transformer, image classification | `transformers.FlaxViTForImageClassification` | `jremat[zoo]` |
+| `resnet` | ResNet-18 (or -50), image classification | `jax_resnet.ResNet18` / `ResNet50` | `jremat[zoo]` |
+| `unet` | U-Net (Ronneberger et al. 2015), denoising | `jremat.models.unet` (Flax linen) | - |
+| `mlp` | residual MLP chain | `jremat.models.plain` (plain JAX) | - |
+| `llama` | Llama decoder, byte-level text | `transformers.FlaxLlamaForCausalLM` | `jremat[zoo]` |
+| `bert` | BERT encoder, masked language model | `transformers.FlaxBertForMaskedLM` | `jremat[zoo]` |
+| `unet_plain` | U-Net-like conv net (jremat's earlier `unet`) | `jremat.models.plain` | - |
+
+Every model is built from a config with random weights (nothing is downloaded). Text models
+read byte-tokenized public-domain text shipped in `jremat.data`; vision models read synthetic
+image batches (seeded normal pixels, random labels): memory and FLOPs depend only on shapes.
+Each has sizes: "default" (runs on a laptop CPU in minutes) and "tiny" (seconds, for tests).
+Layers run under module names with an index (`h/3`, `layers_4`, `enc_1`), from which jremat
+finds the layer boundaries of the per-layer policies.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import importlib
 from collections.abc import Callable
 from typing import Any
 
@@ -23,18 +38,72 @@ class Workload:
     description: str
 
 
-def get(name: str, **kw: Any) -> Workload:
-    """Build workload `name` ("gpt2", "mlp", "unet"); keyword arguments size it.
+# name -> (module, builder function, one-line summary)
+_REGISTRY: dict[str, tuple[str, str, str]] = {
+    "gpt2": ("gpt2", "workload", "Hugging Face Flax GPT-2 decoder on byte-level text"),
+    "vit": ("hf", "vit_workload", "Hugging Face Flax ViT image classifier, synthetic images"),
+    "resnet": ("resnet", "workload", "jax-resnet ResNet-18 image classifier, synthetic images"),
+    "unet": ("unet", "workload", "Flax U-Net (Ronneberger et al. 2015) denoiser, synthetic images"),
+    "mlp": ("plain", "mlp_workload", "plain-JAX residual MLP chain"),
+    "llama": ("hf", "llama_workload", "Hugging Face Flax Llama decoder on byte-level text"),
+    "bert": ("hf", "bert_workload", "Hugging Face Flax BERT masked LM on byte-level text"),
+    "unet_plain": ("plain", "unet_workload", "plain-JAX U-Net-like conv net"),
+}
 
-    Raises ValueError for an unknown name, and ImportError with the install command when the
-    model's package is missing.
+#: Workload names accepted by `get`, the default first.
+NAMES = tuple(_REGISTRY)
+#: Size presets every workload accepts.
+SIZES = ("default", "tiny")
+
+
+def describe(name: str) -> str:
+    """One line saying what workload `name` is. Raises ValueError for an unknown name."""
+    _check_name(name)
+    return _REGISTRY[name][2]
+
+
+def sizes(name: str) -> dict[str, dict[str, Any]]:
+    """The keyword arguments behind each size preset of workload `name`."""
+    _check_name(name)
+    module = importlib.import_module(f"{__name__}.{_REGISTRY[name][0]}")
+    return module.SIZES[name]
+
+
+def get(name: str, size: str = "default", **kw: Any) -> Workload:
+    """Build workload `name` at a size preset; keyword arguments override the preset's sizes.
+
+    Args:
+      name: one of `NAMES` ("gpt2", "vit", "resnet", "unet", "mlp", "llama", "bert",
+        "unet_plain").
+      size: "default" (a laptop CPU compares policies on it in minutes) or "tiny" (seconds;
+        for tests and CI).
+      **kw: model sizes, for example `get("gpt2", n_layer=2)`; see each builder's docstring
+        (`jremat.models.gpt2.workload`, `jremat.models.hf.vit_workload`, ...).
+
+    Raises:
+      ValueError: unknown `name` or `size` (the message lists the accepted ones).
+      ImportError: the model's package is missing; the message gives the install command
+        (`pip install "jremat[zoo]"`).
+      TypeError: a keyword the builder does not take.
     """
-    from . import gpt2, plain
+    _check_name(name)
+    if size not in SIZES:
+        raise ValueError(f"unknown size {size!r} for model {name!r}; accepted: {', '.join(SIZES)}")
+    mod_name, fn_name, _ = _REGISTRY[name]
+    module = importlib.import_module(f"{__name__}.{mod_name}")
+    return getattr(module, fn_name)(**{**module.SIZES[name][size], **kw})
 
-    builders = {"gpt2": gpt2.workload, "mlp": plain.mlp_workload, "unet": plain.unet_workload}
-    if name not in builders:
-        raise ValueError(f"unknown model {name!r}; available: {', '.join(builders)}")
-    return builders[name](**kw)
+
+def _check_name(name: str) -> None:
+    if name not in _REGISTRY:
+        raise ValueError(f"unknown model {name!r}; available: {', '.join(NAMES)}")
 
 
-NAMES = ("gpt2", "mlp", "unet")
+def require(package: str, model: str) -> Any:
+    """Import `package` for workload `model`, or raise ImportError naming the extra to install."""
+    try:
+        return importlib.import_module(package)
+    except ImportError as e:
+        raise ImportError(
+            f"the {model} workload needs the {package!r} package: pip install \"jremat[zoo]\""
+        ) from e

@@ -10,6 +10,7 @@ from __future__ import annotations
 import bisect
 import dataclasses
 import re
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
@@ -101,88 +102,217 @@ def candidate_cuts(graph: Graph, max_cuts: int = 160) -> list[int]:
     return sorted(cuts)
 
 
+KEEP_OPTION = "keep"
+
+
+_DOTS = ("dot_general", "conv_general_dilated")
+
+
+def _dot_source(graph: Graph, vid: int, depth: int = 1):
+    """The dot/conv node `vid` is computed from, directly or through a short same-size
+    elementwise chain (bias add, scaling, transpose); None otherwise.
+
+    JAX's `dots_saveable` saves the dot's own result; jremat names the value XLA materializes
+    (often `dot + bias`), which saves the same work.
+    """
+    from ..cost_model import FUSIBLE
+
+    size = int(np.prod(graph.values[vid].shape, dtype=np.int64))
+    for _ in range(depth):
+        p = graph.values[vid].producer
+        if p < 0:
+            return None
+        node = graph.nodes[p]
+        if node.primitive in _DOTS:
+            return node
+        if node.primitive not in FUSIBLE and node.primitive != "transpose":
+            return None
+        same = [x for x in node.inputs if isinstance(x, int) and graph.values[x].producer >= 0
+                and int(np.prod(graph.values[x].shape, dtype=np.int64)) == size]
+        if len(same) != 1:
+            return None
+        vid = same[0]
+    return None
+
+
+def _is_dot(graph: Graph, vid: int) -> bool:
+    return _dot_source(graph, vid) is not None
+
+
+def _is_unbatched_dot(graph: Graph, vid: int) -> bool:
+    node = _dot_source(graph, vid)
+    if node is None:
+        return False
+    if node.primitive == "conv_general_dilated":
+        return True
+    return not node.eqn.params["dimension_numbers"][1][0]
+
+
+def _is_expensive(graph: Graph, vid: int, flops_per_byte: float = 8.0) -> bool:
+    node = _dot_source(graph, vid)
+    if node is None:
+        return False
+    out_bytes = sum(graph.values[o].nbytes for o in node.outputs) or 1
+    return node.flops / out_bytes >= flops_per_byte
+
+
+#: Save sets a checkpointed segment may choose (Rotor/Rockmate-style options per segment):
+#: name -> predicate on a value id. "nothing", "dots" and "dots_no_batch" are JAX's
+#: nothing_saveable, dots_saveable and dots_with_no_batch_dims_saveable restricted to the values
+#: the backward pass needs; "expensive" keeps results costing >= 8 FLOPs per stored byte.
+SAVE_OPTIONS: dict[str, Callable[[Graph, int], bool]] = {
+    "nothing": lambda g, v: False,
+    "dots_no_batch": _is_unbatched_dot,
+    "expensive": _is_expensive,
+    "dots": _is_dot,
+}
+
+
 @dataclasses.dataclass
 class SegmentTable:
-    """Costs of every segment `[cuts[a], cuts[b])`, a < b, as `(m, m)` arrays.
+    """Costs of every segment `[cuts[a], cuts[b])`, a < b, under every option.
 
-    stored_keep / stored_remat: bytes kept from forward to backward by the segment when it is
-    not checkpointed / checkpointed (its live-in values; plus its residuals when kept).
-    transient_keep / transient_remat: extra bytes live while its backward runs (recomputed
-    residuals; the cotangents crossing its two cuts).
-    flops_remat: FLOPs its recompute costs (only equations whose results the backward needs).
+    `options[0]` is "keep" (no checkpoint: every residual kept); the others are checkpointed
+    segments saving the values their `SAVE_OPTIONS` predicate selects. Arrays have shape
+    `(len(options), m, m)`:
+      stored: bytes kept from forward to backward (live-in values, saved or kept residuals);
+      transient: extra bytes live while the segment's backward runs (recomputed residuals,
+        cotangents crossing its two cuts, working set);
+      flops: FLOPs its recompute costs (only equations whose results the backward needs and
+        that are not saved).
     """
 
     cuts: list[int]
-    stored_keep: np.ndarray
-    stored_remat: np.ndarray
-    transient_keep: np.ndarray
-    transient_remat: np.ndarray
-    flops_remat: np.ndarray
+    options: list[str]
+    stored: np.ndarray
+    transient: np.ndarray
+    flops: np.ndarray
+
+    def option_index(self, name: str) -> int:
+        return self.options.index(name)
 
 
-def segment_table(graph: Graph, cuts: list[int]) -> SegmentTable:
+def _dominance(m: int, items) -> np.ndarray:
+    """`out[a, b]` = sum of weights w over items (pa, rb, w) with pa >= a and rb < b."""
+    grid = np.zeros((m, m + 1))
+    for pa, rb, w in items:
+        grid[pa, rb + 1] += w
+    grid = np.cumsum(grid[::-1], axis=0)[::-1]
+    return np.cumsum(grid, axis=1)[:, :m]
+
+
+def _first_needed(graph: Graph, saved: Callable[[int], bool], res_first: dict[int, int]):
+    """f[i]: the earliest node index whose backward needs node i's recompute (inf: never).
+
+    A segment ending at e recomputes node i iff f[i] < e, whatever its start: node i is needed
+    when one of its unsaved outputs is a residual of a node before e, or feeds a node before e
+    that is itself needed (JAX's partial evaluation drops the rest).
+    """
+    n = graph.num_nodes
+    f = np.full(n, np.inf)
+    for i in range(n - 1, -1, -1):
+        best = np.inf
+        for o in graph.nodes[i].outputs:
+            if saved(o):
+                continue
+            best = min(best, res_first.get(o, np.inf))
+            for c in graph.consumers[o]:
+                if f[c] < best:
+                    best = f[c]
+        f[i] = best
+    return f
+
+
+def segment_table(
+    graph: Graph, cuts: list[int], options: Sequence[str] = tuple(SAVE_OPTIONS)
+) -> SegmentTable:
+    """Build the `SegmentTable` of `graph` over `cuts` for the given save options."""
     m = len(cuts)
     n = graph.num_nodes
     cross = crossing_bytes(graph)
     float_cross = _float_crossing(graph)
+    cut_arr = np.asarray(cuts)
 
-    def bin_of(node_index: int) -> int:
-        """Index of the segment-start cut at or below node_index."""
-        return bisect.bisect_right(cuts, node_index) - 1
+    def bin_of(idx):
+        return np.searchsorted(cut_arr, idx, side="right") - 1
 
-    # internal residuals: value v (temp) with producer p, first residual use r: counted in
-    # [cuts[a], cuts[b]) iff cuts[a] <= p and r < cuts[b].
-    first_res: dict[int, int] = {}
+    res_first: dict[int, int] = {}
     internal_bytes = np.zeros(n)
     for node in graph.nodes:
         for v in node.residuals:
-            if v not in first_res:
-                first_res[v] = node.index
+            res_first.setdefault(v, node.index)
         internal_bytes[node.index] = node.internal_bytes
-    resid = np.zeros((m, m + 1))
-    for v, r in first_res.items():
-        val = graph.values[v]
-        if val.producer < 0:
-            continue
-        a = bin_of(val.producer)
-        b = bin_of(r)
-        resid[a, b + 1] += val.nbytes
-    # R[a, b] = sum of bytes with producer-bin >= a and r-bin < b
-    resid_cum = np.cumsum(resid[::-1], axis=0)[::-1]  # producer bin >= a
-    resid_cum = np.cumsum(resid_cum, axis=1)  # r-bin < b  (column b+1 holds r-bin == b)
+    temps = [(v, r) for v, r in res_first.items() if graph.values[v].producer >= 0]
+    res_items = [(bin_of(graph.values[v].producer), bin_of(r), graph.values[v].nbytes)
+                 for v, r in temps]
+    resid = _dominance(m, res_items)  # residual bytes produced and used inside the segment
     node_internal_cum = np.concatenate([[0.0], np.cumsum(internal_bytes)])
+    s_idx, e_idx = np.meshgrid(cut_arr, cut_arr, indexing="ij")
+    internal = resid + node_internal_cum[e_idx] - node_internal_cum[s_idx]
 
-    # live-in: values produced before cuts[a] whose next consumer at/after cuts[a] is < cuts[b]
     live_in = np.zeros((m, m))
-    temps = [v for v in graph.values if v.producer >= 0 and graph.consumers[v.id]]
-    for v in temps:
+    for v in graph.values:
         cons = graph.consumers[v.id]
-        a0 = bisect.bisect_right(cuts, v.producer)  # first start cut after the producer
+        if v.producer < 0 or not cons:
+            continue
+        a0 = bisect.bisect_right(cuts, v.producer)
         for a in range(a0, m):
             k = bisect.bisect_left(cons, cuts[a])
             if k == len(cons):
                 break
-            b = bisect.bisect_right(cuts, cons[k])  # segments ending after that consumer
-            live_in[a, b:] += v.nbytes
-    stored_keep = np.zeros((m, m))
-    stored_remat = np.zeros((m, m))
-    t_keep = np.zeros((m, m))
-    t_remat = np.zeros((m, m))
-    flops = np.zeros((m, m))
+            live_in[a, bisect.bisect_right(cuts, cons[k]) :] += v.nbytes
+
+    cot = float_cross[s_idx] + float_cross[e_idx]
+    work = np.maximum(cross[s_idx], cross[e_idx])
+    names = [KEEP_OPTION, *options]
+    stored = np.zeros((len(names), m, m))
+    transient = np.zeros((len(names), m, m))
+    flops = np.zeros((len(names), m, m))
+    stored[0] = live_in + internal
+    transient[0] = cot + work
     node_flops = np.array([nd.flops for nd in graph.nodes])
-    for b in range(1, m):
-        needed = _needed_flops_prefix(graph, cuts[b], node_flops)
-        for a in range(b):
-            s, e = cuts[a], cuts[b]
-            internal = resid_cum[a, b] + node_internal_cum[e] - node_internal_cum[s]
-            cot = float_cross[s] + float_cross[e]
-            work = max(cross[s], cross[e])
-            stored_keep[a, b] = live_in[a, b] + internal
-            stored_remat[a, b] = live_in[a, b]
-            t_keep[a, b] = cot + work
-            t_remat[a, b] = internal + cot + work
-            flops[a, b] = needed[e] - needed[s]
-    return SegmentTable(cuts, stored_keep, stored_remat, t_keep, t_remat, flops)
+    for k, name in enumerate(options, start=1):
+        pred = SAVE_OPTIONS[name]
+        saved_cache: dict[int, bool] = {}
+
+        def saved(v: int, pred=pred, cache=saved_cache) -> bool:
+            if v not in cache:
+                cache[v] = bool(pred(graph, v))
+            return cache[v]
+
+        f = _first_needed(graph, saved, res_first)
+        # a saved value is kept when the segment's backward needs it: as a residual, or as
+        # the input of an equation the recompute redoes
+        kept_items = []
+        for v in graph.values:
+            if v.producer < 0 or not saved(v.id):
+                continue
+            first = min([res_first.get(v.id, np.inf)] + [f[c] for c in graph.consumers[v.id]])
+            if np.isfinite(first):
+                kept_items.append((bin_of(v.producer), bin_of(int(first)), v.nbytes))
+        kept = _dominance(m, kept_items)
+        fin = np.isfinite(f)
+        idx = np.nonzero(fin)[0]
+        fl = _dominance(m, zip(bin_of(idx), bin_of(f[idx].astype(int)), node_flops[idx],
+                               strict=True))
+        stored[k] = live_in + kept
+        transient[k] = internal - kept + cot + work
+        flops[k] = fl
+    upper = np.triu(np.ones((m, m), dtype=bool), k=1)
+    for arr in (stored, transient, flops):
+        arr[:, ~upper] = np.inf
+    return SegmentTable(cuts, names, stored, transient, flops)
+
+
+def saved_values(graph: Graph, start: int, end: int, option: str) -> list[int]:
+    """Value ids a checkpointed segment `[start, end)` names as saveable under `option`: the
+    values it produces that the option's predicate selects. JAX keeps those its backward
+    pass needs (as residuals or recompute inputs) and drops the rest."""
+    if option not in SAVE_OPTIONS:
+        return []
+    pred = SAVE_OPTIONS[option]
+    return [o for node in graph.nodes[start:end] for o in node.outputs
+            if graph.values[o].is_float and pred(graph, o)]
 
 
 def _float_crossing(graph: Graph) -> np.ndarray:
@@ -198,27 +328,3 @@ def _float_crossing(graph: Graph) -> np.ndarray:
         delta[v.producer + 1] += v.nbytes
         delta[cons[-1] + 1] -= v.nbytes
     return np.cumsum(delta)[: n + 1]
-
-
-def _needed_flops_prefix(graph: Graph, end: int, node_flops: np.ndarray) -> np.ndarray:
-    """Prefix sums over nodes < end of the FLOPs a recompute ending at `end` must redo.
-
-    A node is redone when one of its outputs is a residual of a node before `end`, or feeds a
-    node before `end` that is redone. Nodes whose results only leave the segment are not
-    (JAX's partial evaluation drops them). The flag does not depend on the segment start.
-    """
-    needed = np.zeros(end, dtype=bool)
-    res_users: dict[int, int] = {}
-    for node in graph.nodes[:end]:
-        for v in node.residuals:
-            res_users[v] = max(res_users.get(v, -1), node.index)
-    for i in range(end - 1, -1, -1):
-        node = graph.nodes[i]
-        for o in node.outputs:
-            if res_users.get(o, -1) >= i:
-                needed[i] = True
-                break
-            if any(c < end and needed[c] for c in graph.consumers[o]):
-                needed[i] = True
-                break
-    return np.concatenate([[0.0], np.cumsum(np.where(needed, node_flops[:end], 0.0))])

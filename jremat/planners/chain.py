@@ -1,17 +1,18 @@
-"""Chain planner: dynamic programming over cut points (segments recompute everything inside).
+"""Chain planner: dynamic programming over cut points and per-segment save sets.
 
 Chen et al., "Training Deep Nets with Sublinear Memory Cost" (2016) cut a chain into sqrt(n)
 segments and recompute each; Griewank & Walther's revolve (2000) and Rotor (Beaumont et al.,
 "Optimal checkpointing for heterogeneous chains", 2019) solve the same chain problem optimally by
-dynamic programming. This planner is that DP over the traced program's cut candidates: each
-segment is either kept (no checkpoint) or checkpointed (only its inputs saved), and the peak is
-modelled as
+dynamic programming; Rockmate (Zhao et al., ICML 2023) adds per-block save sets. This planner is
+that DP over the traced program's cut candidates: each segment is kept (no checkpoint) or
+checkpointed with one of the save sets in `SAVE_OPTIONS` (nothing, dots without batch dims,
+expensive results, all dots), and the peak is modelled as
 
     peak = max_i ( sum_{j <= i} stored_j  +  transient_i ),
 
-the stores of every earlier segment plus what segment i's backward holds. Per-layer remat and
-sqrt(n) segmentations are points of this space, so the DP never recomputes more than they do at
-the same predicted memory.
+the stores of every earlier segment plus what segment i's backward holds. JAX's built-in policies
+applied per layer and sqrt(n) segmentations are points of this space, so the DP never
+recomputes more than they do at the same predicted memory.
 """
 
 from __future__ import annotations
@@ -22,14 +23,22 @@ import numpy as np
 
 from ..plan import KEEP, SAVE_NAMES, Plan, Segment
 from ..trace import Graph
-from .candidates import SegmentTable, candidate_cuts, segment_table
+from .candidates import (
+    KEEP_OPTION,
+    SAVE_OPTIONS,
+    SegmentTable,
+    candidate_cuts,
+    saved_values,
+    segment_table,
+)
 
 GRID = 384  # memory buckets of the budgeted DP
 
 
 def _options(t: SegmentTable, a: int, b: int):
-    yield KEEP, t.stored_keep[a, b], t.transient_keep[a, b], 0.0
-    yield SAVE_NAMES, t.stored_remat[a, b], t.transient_remat[a, b], t.flops_remat[a, b]
+    """(option name, stored, transient, FLOPs) for segment (a, b) under every option."""
+    for k, name in enumerate(t.options):
+        yield name, t.stored[k, a, b], t.transient[k, a, b], t.flops[k, a, b]
 
 
 def min_memory(t: SegmentTable) -> tuple[float, list[tuple[int, int, str]]]:
@@ -103,35 +112,32 @@ def _walk(choice, m):
 
 
 def to_plan(graph: Graph, t: SegmentTable, segs, solver: str = "chain") -> Plan:
-    """Turn DP output `[(a, b, mode)]` into a `Plan` with per-segment predictions.
+    """Turn DP output `[(a, b, option)]` into a `Plan` with per-segment predictions.
 
     Adjacent kept segments are merged (no checkpoint boundary between them).
     """
     out: list[Segment] = []
     running, peak, flops = 0.0, 0.0, 0.0
-    for a, b, mode in segs:
-        keep = mode == KEEP
-        stored = t.stored_keep[a, b] if keep else t.stored_remat[a, b]
-        trans = t.transient_keep[a, b] if keep else t.transient_remat[a, b]
-        fl = 0.0 if keep else t.flops_remat[a, b]
+    for a, b, option in segs:
+        k = t.option_index(option)
+        stored, trans, fl = t.stored[k, a, b], t.transient[k, a, b], t.flops[k, a, b]
         running += stored
         peak = max(peak, running + trans)
         flops += fl
-        if keep and out and out[-1].policy == KEEP:
-            prev = out[-1]
-            prev.end = t.cuts[b]
-            prev.stored_bytes += int(stored)
-            prev.transient_bytes = max(prev.transient_bytes, int(trans))
+        start, end = t.cuts[a], t.cuts[b]
+        if option == KEEP_OPTION:
+            if out and out[-1].policy == KEEP:
+                prev = out[-1]
+                prev.end = end
+                prev.stored_bytes += int(stored)
+                prev.transient_bytes = max(prev.transient_bytes, int(trans))
+                continue
+            out.append(Segment(start, end, KEEP, [], int(stored), int(trans), 0.0))
             continue
-        out.append(Segment(t.cuts[a], t.cuts[b], mode, [], int(stored), int(trans), float(fl)))
-    return Plan(
-        out,
-        graph.fingerprint,
-        graph.num_nodes,
-        solver=solver,
-        predicted_temp_bytes=int(peak),
-        recompute_flops=flops,
-    )
+        saved = saved_values(graph, start, end, option)
+        out.append(Segment(start, end, SAVE_NAMES, saved, int(stored), int(trans), float(fl)))
+    return Plan(out, graph.fingerprint, graph.num_nodes, solver=solver,
+                predicted_temp_bytes=int(peak), recompute_flops=flops)
 
 
 class ChainPlanner:
@@ -144,9 +150,9 @@ class ChainPlanner:
 
     name = "chain"
 
-    def __init__(self, graph: Graph, max_cuts: int = 160):
+    def __init__(self, graph: Graph, max_cuts: int = 160, options=tuple(SAVE_OPTIONS)):
         self.graph = graph
-        self.table = segment_table(graph, candidate_cuts(graph, max_cuts))
+        self.table = segment_table(graph, candidate_cuts(graph, max_cuts), options)
         self._min = None
 
     def min_memory_plan(self) -> Plan:
@@ -159,7 +165,7 @@ class ChainPlanner:
     def no_remat_peak(self) -> float:
         """Modelled peak of the unrematerialized program (one kept segment)."""
         m = len(self.table.cuts)
-        return float(self.table.stored_keep[0, m - 1] + self.table.transient_keep[0, m - 1])
+        return float(self.table.stored[0, 0, m - 1] + self.table.transient[0, 0, m - 1])
 
     def plan(self, model_budget: float) -> Plan | None:
         """Fewest-FLOPs plan whose modelled peak is <= `model_budget` bytes, or None."""
