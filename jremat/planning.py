@@ -16,6 +16,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
+import numpy as np
 
 from .budget import Budget, parse_budget
 from .errors import InfeasibleBudgetError
@@ -215,10 +216,14 @@ def solve(
             smallest_reachable_bytes=min_c.temp_bytes,
         )
     min_c = anchors[0][1]
-    # calibrate: map compiled bytes to model bytes linearly through the two anchors
-    span_c = max(base.temp_bytes - min_c.temp_bytes, 1)
-    slope = (model_none - model_min) / span_c
-    model_budget = model_min + (target - min_c.temp_bytes) * max(slope, 1e-3)
+    # calibrate: map compiled bytes to model bytes through every compiled anchor
+    points = sorted({(c.temp_bytes, planner.predict(p)) for p, c in anchors
+                     if planner.predict(p) is not None} | {(base.temp_bytes, model_none)})
+    xs = np.array([x for x, _ in points], dtype=float)
+    ys = np.maximum.accumulate(np.array([y for _, y in points], dtype=float))
+    slope = (model_none - model_min) / max(base.temp_bytes - min_c.temp_bytes, 1)
+    model_budget = float(np.interp(target, xs, ys)) if len(xs) > 1 else (
+        model_min + (target - min_c.temp_bytes) * max(slope, 1e-3))
     best: tuple[float, Plan, Compiled] = min(fitting, key=lambda t: t[0])
     lo, hi = model_min, math.inf  # model budgets known feasible / infeasible when compiled
     seen: set[str] = {_key(p) for p, _ in anchors}

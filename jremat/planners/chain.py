@@ -167,6 +167,31 @@ class ChainPlanner:
         m = len(self.table.cuts)
         return float(self.table.stored[0, 0, m - 1] + self.table.transient[0, 0, m - 1])
 
+    def predict(self, plan: Plan) -> float | None:
+        """Modelled peak of any plan whose cuts are candidates and whose policies map to an
+        option (`keep`, saved names, or a built-in the options mirror); None otherwise."""
+        t = self.table
+        index = {c: i for i, c in enumerate(t.cuts)}
+        builtin = {"nothing_saveable": "nothing", "dots_saveable": "dots",
+                   "dots_with_no_batch_dims_saveable": "dots_no_batch"}
+        running, peak = 0.0, 0.0
+        for seg in plan.segments:
+            a, b = index.get(seg.start), index.get(seg.end)
+            if a is None or b is None:
+                return None
+            if seg.policy == KEEP:
+                option = KEEP_OPTION
+            elif seg.policy == SAVE_NAMES and not seg.saved:
+                option = "nothing"
+            else:
+                option = builtin.get(seg.policy)
+            if option not in t.options:
+                return None
+            k = t.option_index(option)
+            running += t.stored[k, a, b]
+            peak = max(peak, running + t.transient[k, a, b])
+        return peak
+
     def plan(self, model_budget: float) -> Plan | None:
         """Fewest-FLOPs plan whose modelled peak is <= `model_budget` bytes, or None."""
         found = within_budget(self.table, model_budget)
