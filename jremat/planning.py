@@ -27,7 +27,12 @@ from .planners.candidates import candidate_cuts, layer_spans
 from .rewrite import rematerialize
 from .trace import Graph, _check_differentiable, build_graph, normalize_argnums
 
-SOLVERS = ("chain",)
+SOLVERS = ("auto", "chain", "greedy", "dtr", "milp")
+#: `solver="auto"` uses the exact MILP (1 s per solve, warm-started with the chain DP's plan)
+#: up to this many equations; above, the chain DP, which is exact on the same model up to its
+#: 1/384 memory discretization and runs in well under a second.
+AUTO_MILP_MAX_NODES = 120
+AUTO_MILP_SECONDS = 1.0
 #: Fixed recipes compiled next to every plan search: JAX's built-in policies per layer and
 #: sqrt(n) segments. `plan` returns the cheapest compiled plan that fits, so it never recomputes
 #: more than any of these when one fits the budget.
@@ -97,9 +102,15 @@ class Program:
 
     def planner(self, solver: str, max_cuts: int):
         """The planner for this graph (built once per solver)."""
+        kw = {}
+        if solver == "auto":
+            solver = "milp" if self.graph.num_nodes <= AUTO_MILP_MAX_NODES else "chain"
+            kw = {"time_limit": AUTO_MILP_SECONDS} if solver == "milp" else {}
+        if solver == "milp":
+            max_cuts = min(max_cuts, 32)  # the MILP has O(max_cuts x span x options) binaries
         key = (solver, max_cuts)
         if key not in self._planners:
-            self._planners[key] = PLANNERS[solver](self.graph, max_cuts=max_cuts)
+            self._planners[key] = PLANNERS[solver](self.graph, max_cuts=max_cuts, **kw)
         return self._planners[key]
 
     def anchors(self, planner) -> list[tuple[Plan, Compiled]]:
@@ -135,7 +146,7 @@ def plan(
     fn: Callable[..., Any],
     *args: Any,
     budget: Any,
-    solver: str = "chain",
+    solver: str = "auto",
     argnums: int | Sequence[int] = 0,
     verify: bool = True,
     max_rounds: int = 4,
@@ -148,8 +159,12 @@ def plan(
       *args: example arguments (arrays or `jax.ShapeDtypeStruct`s).
       budget: a float in (0, 1] (fraction of the unrematerialized compiled temp bytes), an int
         (footprint bytes), a string such as "512MiB"/"8GB", or "auto" (see `jremat.budget`).
-      solver: the planner; "chain" (dynamic programming over cut points, after Chen et al.
-        2016 and Rotor, Beaumont et al. 2019).
+      solver: the planner (see `jremat.planners`): "chain" (dynamic programming over cuts and
+        save sets; Chen et al. 2016, Rotor, Rockmate), "greedy" (cost-per-byte knapsack),
+        "dtr" (simulated Dynamic Tensor Rematerialization, Kirisame et al. 2021), "milp"
+        (exact, HiGHS; Checkmate, Jain et al. 2020), or "auto": "milp" up to
+        `AUTO_MILP_MAX_NODES` equations, "chain" above. Every solver's plans are compiled
+        and verified the same way.
       argnums: differentiated arguments, as in `jax.grad`.
       verify: compile plans and keep only one whose compiled temp bytes meet the budget
         (recommended). With False the uncalibrated cost model decides and nothing is compiled
@@ -179,7 +194,7 @@ def solve(
     prog: Program,
     spec: Budget,
     *,
-    solver: str = "chain",
+    solver: str = "auto",
     verify: bool = True,
     max_rounds: int = 4,
     max_cuts: int = 160,
@@ -217,13 +232,18 @@ def solve(
         )
     min_c = anchors[0][1]
     # calibrate: map compiled bytes to model bytes through every compiled anchor
-    points = sorted({(c.temp_bytes, planner.predict(p)) for p, c in anchors
-                     if planner.predict(p) is not None} | {(base.temp_bytes, model_none)})
+    points = sorted(
+        {(c.temp_bytes, planner.predict(p)) for p, c in anchors if planner.predict(p) is not None}
+        | {(base.temp_bytes, model_none)}
+    )
     xs = np.array([x for x, _ in points], dtype=float)
     ys = np.maximum.accumulate(np.array([y for _, y in points], dtype=float))
     slope = (model_none - model_min) / max(base.temp_bytes - min_c.temp_bytes, 1)
-    model_budget = float(np.interp(target, xs, ys)) if len(xs) > 1 else (
-        model_min + (target - min_c.temp_bytes) * max(slope, 1e-3))
+    model_budget = (
+        float(np.interp(target, xs, ys))
+        if len(xs) > 1
+        else (model_min + (target - min_c.temp_bytes) * max(slope, 1e-3))
+    )
     best: tuple[float, Plan, Compiled] = min(fitting, key=lambda t: t[0])
     lo, hi = model_min, math.inf  # model budgets known feasible / infeasible when compiled
     seen: set[str] = {_key(p) for p, _ in anchors}
@@ -275,7 +295,8 @@ def _key(p: Plan) -> str:
 
 def _finish(p: Plan, meta: dict, solver: str, graph: Graph) -> Plan:
     p.annotate(graph)
-    p.budget, p.budget_temp_bytes, p.solver = meta["budget"], meta["budget_temp_bytes"], solver
+    p.budget, p.budget_temp_bytes = meta["budget"], meta["budget_temp_bytes"]
+    p.notes.append(f"solver={solver!r}")
     return p
 
 

@@ -127,8 +127,13 @@ def _dot_source(graph: Graph, vid: int, depth: int = 1):
             return node
         if node.primitive not in FUSIBLE and node.primitive != "transpose":
             return None
-        same = [x for x in node.inputs if isinstance(x, int) and graph.values[x].producer >= 0
-                and int(np.prod(graph.values[x].shape, dtype=np.int64)) == size]
+        same = [
+            x
+            for x in node.inputs
+            if isinstance(x, int)
+            and graph.values[x].producer >= 0
+            and int(np.prod(graph.values[x].shape, dtype=np.int64)) == size
+        ]
         if len(same) != 1:
             return None
         vid = same[0]
@@ -243,8 +248,9 @@ def segment_table(
             res_first.setdefault(v, node.index)
         internal_bytes[node.index] = node.internal_bytes
     temps = [(v, r) for v, r in res_first.items() if graph.values[v].producer >= 0]
-    res_items = [(bin_of(graph.values[v].producer), bin_of(r), graph.values[v].nbytes)
-                 for v, r in temps]
+    res_items = [
+        (bin_of(graph.values[v].producer), bin_of(r), graph.values[v].nbytes) for v, r in temps
+    ]
     resid = _dominance(m, res_items)  # residual bytes produced and used inside the segment
     node_internal_cum = np.concatenate([[0.0], np.cumsum(internal_bytes)])
     s_idx, e_idx = np.meshgrid(cut_arr, cut_arr, indexing="ij")
@@ -293,8 +299,9 @@ def segment_table(
         kept = _dominance(m, kept_items)
         fin = np.isfinite(f)
         idx = np.nonzero(fin)[0]
-        fl = _dominance(m, zip(bin_of(idx), bin_of(f[idx].astype(int)), node_flops[idx],
-                               strict=True))
+        fl = _dominance(
+            m, zip(bin_of(idx), bin_of(f[idx].astype(int)), node_flops[idx], strict=True)
+        )
         stored[k] = live_in + kept
         transient[k] = internal - kept + cot + work
         flops[k] = fl
@@ -311,8 +318,12 @@ def saved_values(graph: Graph, start: int, end: int, option: str) -> list[int]:
     if option not in SAVE_OPTIONS:
         return []
     pred = SAVE_OPTIONS[option]
-    return [o for node in graph.nodes[start:end] for o in node.outputs
-            if graph.values[o].is_float and pred(graph, o)]
+    return [
+        o
+        for node in graph.nodes[start:end]
+        for o in node.outputs
+        if graph.values[o].is_float and pred(graph, o)
+    ]
 
 
 def _float_crossing(graph: Graph) -> np.ndarray:

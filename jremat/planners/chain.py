@@ -136,8 +136,14 @@ def to_plan(graph: Graph, t: SegmentTable, segs, solver: str = "chain") -> Plan:
             continue
         saved = saved_values(graph, start, end, option)
         out.append(Segment(start, end, SAVE_NAMES, saved, int(stored), int(trans), float(fl)))
-    return Plan(out, graph.fingerprint, graph.num_nodes, solver=solver,
-                predicted_temp_bytes=int(peak), recompute_flops=flops)
+    return Plan(
+        out,
+        graph.fingerprint,
+        graph.num_nodes,
+        solver=solver,
+        predicted_temp_bytes=int(peak),
+        recompute_flops=flops,
+    )
 
 
 class ChainPlanner:
@@ -172,8 +178,11 @@ class ChainPlanner:
         option (`keep`, saved names, or a built-in the options mirror); None otherwise."""
         t = self.table
         index = {c: i for i, c in enumerate(t.cuts)}
-        builtin = {"nothing_saveable": "nothing", "dots_saveable": "dots",
-                   "dots_with_no_batch_dims_saveable": "dots_no_batch"}
+        builtin = {
+            "nothing_saveable": "nothing",
+            "dots_saveable": "dots",
+            "dots_with_no_batch_dims_saveable": "dots_no_batch",
+        }
         running, peak = 0.0, 0.0
         for seg in plan.segments:
             a, b = index.get(seg.start), index.get(seg.end)

@@ -1,0 +1,168 @@
+"""Simulated Dynamic Tensor Rematerialization (DTR) turned into a static plan.
+
+Kirisame et al., "Dynamic Tensor Rematerialization", ICLR 2021: run the program under a memory
+cap; when it is exceeded, evict the resident tensor with the smallest
+
+    h(t) = cost(t) / (bytes(t) x staleness(t)),
+
+where cost is the compute needed to bring t back, including its evicted ancestors (the paper's
+equivalence-class approximation, h_DTR-eq); recompute evicted tensors on demand.
+
+jremat runs that policy at trace time over the forward schedule and the reversed backward
+schedule of the traced graph, with the cost model's bytes and FLOPs. "Dynamic" here means the
+plan is recomputed for every input shape signature and budget (`jremat.auto` caches one per
+signature), not at run time: XLA programs are static. The evictions become the plan: the
+residuals DTR never evicted are saved (by name) inside each layer's checkpoint segment, the
+rest are recomputed; a layer where nothing was evicted is kept unrematerialized.
+"""
+
+from __future__ import annotations
+
+from ..plan import KEEP, SAVE_NAMES, Plan, Segment
+from .chain import ChainPlanner
+
+
+class DTRPlanner(ChainPlanner):
+    """DTR simulation (see the module docstring); segments are the model's layers."""
+
+    name = "dtr"
+
+    def simulate(self, budget: float) -> tuple[set[int], float, float]:
+        """Run DTR under `budget` bytes; returns (evicted value ids, recompute FLOPs, peak)."""
+        g = self.graph
+        n = g.num_nodes
+        res_users: dict[int, list[int]] = {}
+        for node in g.nodes:
+            for v in node.residuals:
+                res_users.setdefault(v, []).append(node.index)
+        last_fwd = {v.id: (g.consumers[v.id][-1] if g.consumers[v.id] else -1) for v in g.values}
+        resident: dict[int, float] = {}  # value id -> last access time
+        evicted: set[int] = set()
+        ever_evicted: set[int] = set()
+        mem, peak, recompute = 0.0, 0.0, 0.0
+        clock = [0]
+
+        def nbytes(v: int) -> int:
+            return g.values[v].nbytes
+
+        def cost(v: int, seen: set[int]) -> float:
+            """Compute to rematerialize v: its producer plus evicted ancestors (h_DTR-eq)."""
+            p = g.values[v].producer
+            if p < 0 or v in seen:
+                return 0.0
+            seen.add(v)
+            c = g.nodes[p].flops
+            for x in g.nodes[p].inputs:
+                if isinstance(x, int) and x in evicted:
+                    c += cost(x, seen)
+            return c
+
+        def evict_until(limit: float, locked: set[int]) -> None:
+            nonlocal mem
+            while mem > limit:
+                best, best_h = None, float("inf")
+                for v, t in resident.items():
+                    if v in locked:
+                        continue
+                    h = cost(v, set()) / (nbytes(v) * (clock[0] - t + 1))
+                    if h < best_h:
+                        best, best_h = v, h
+                if best is None:
+                    return
+                del resident[best]
+                mem -= nbytes(best)
+                evicted.add(best)
+                ever_evicted.add(best)
+
+        def ensure(v: int, locked: set[int]) -> None:
+            nonlocal mem, peak, recompute
+            if g.values[v].producer < 0 or v in resident:
+                if v in resident:
+                    resident[v] = clock[0]
+                return
+            p = g.values[v].producer
+            node = g.nodes[p]
+            for x in node.inputs:
+                if isinstance(x, int):
+                    ensure(x, locked | {v})
+            recompute += node.flops
+            evicted.discard(v)
+            resident[v] = clock[0]
+            mem += nbytes(v)
+            evict_until(budget, locked | {v} | {x for x in node.inputs if isinstance(x, int)})
+            peak = max(peak, mem)
+
+        def needed_later(v: int, i: int, backward: bool) -> bool:
+            if not backward and last_fwd[v] > i:
+                return True
+            users = res_users.get(v, [])
+            return bool(users) and (min(users) <= i if backward else True)
+
+        for i, node in enumerate(g.nodes):  # forward
+            clock[0] += 1
+            ins = {x for x in node.inputs if isinstance(x, int)}
+            for x in ins:
+                ensure(x, ins)
+            for o in node.outputs:
+                resident[o] = clock[0]
+                mem += nbytes(o)
+            evict_until(budget, ins | set(node.outputs))
+            peak = max(peak, mem)
+            for v in list(resident):
+                if not needed_later(v, i, backward=False):
+                    mem -= nbytes(v)
+                    del resident[v]
+        for i in range(n - 1, -1, -1):  # backward, in reverse
+            clock[0] += 1
+            node = g.nodes[i]
+            need = set(node.residuals)
+            for v in need:
+                if g.values[v].producer >= 0:
+                    ensure(v, need)
+            for v in need:
+                if v in resident and min(res_users.get(v, [i])) >= i:
+                    mem -= nbytes(v)
+                    del resident[v]
+        return ever_evicted, recompute, peak
+
+    def plan(self, model_budget: float) -> Plan | None:
+        from ..planning import layer_segments
+
+        evicted, flops, peak = self.simulate(model_budget)
+        if peak > model_budget * 1.001:
+            return None
+        spans = layer_segments(self.graph)
+        segs: list[Segment] = []
+        pos = 0
+        for s, e in spans + [(self.graph.num_nodes, self.graph.num_nodes)]:
+            if s > pos:
+                segs.append(Segment(pos, s, KEEP))
+            if e > s:
+                res = {
+                    v
+                    for node in self.graph.nodes[s:e]
+                    for v in node.residuals
+                    if s <= self.graph.values[v].producer < e
+                }
+                if res & evicted:
+                    saved = sorted(res - evicted)
+                    segs.append(Segment(s, e, SAVE_NAMES, saved))
+                else:
+                    segs.append(Segment(s, e, KEEP))
+            pos = e
+        merged: list[Segment] = []
+        for seg in segs:
+            if merged and seg.policy == KEEP and merged[-1].policy == KEEP:
+                merged[-1].end = seg.end
+            else:
+                merged.append(seg)
+        plan = Plan(
+            merged,
+            self.graph.fingerprint,
+            self.graph.num_nodes,
+            solver=self.name,
+            predicted_temp_bytes=int(peak),
+            recompute_flops=flops,
+        )
+        plan.notes.append(f"dtr: {len(evicted)} residuals evicted, simulated peak {peak:,.0f}")
+        return plan

@@ -1,0 +1,142 @@
+"""Exact planner: a mixed-integer program over segments and save sets, solved with HiGHS.
+
+Checkmate (Jain et al., "Checkmate: Breaking the Memory Wall with Optimal Tensor
+Rematerialization", MLSys 2020) states rematerialization as an integer program and solves it
+exactly. jremat's decision space is segments with save sets (what `jax.checkpoint` can
+express), so the program here is Checkmate's idea on that space: binary x[k, a, b] = "segment
+(a, b) is taken with option k", a path from the first cut to the last, and continuous S[c] =
+bytes stored before cut c:
+
+    min  sum flops[k,a,b] x[k,a,b]
+    s.t. flow: one segment leaves cut 0, one enters the last cut, in = out at every other cut
+         S[b] >= S[a] + stored[k,a,b] - B (1 - x[k,a,b])       (stores accumulate; 0 <= S <= B)
+         S[a] + (stored[k,a,b] + transient[k,a,b]) x[k,a,b] <= B  (peak within the budget)
+
+It is the chain DP's model solved without memory discretization, so its objective is the
+optimum of that model: the reference for the heuristics. HiGHS (`highspy`) solves it under a
+time limit, starting from the chain DP's plan as incumbent, and reports the optimality gap.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..plan import Plan
+from .chain import ChainPlanner, to_plan, within_budget
+
+
+class MILPPlanner(ChainPlanner):
+    """Checkmate-style exact planner (HiGHS). `time_limit` in seconds; `max_span` bounds how
+    many cut intervals one segment may cover (fewer variables)."""
+
+    name = "milp"
+
+    def __init__(
+        self, graph, max_cuts: int = 32, time_limit: float = 10.0, max_span: int = 24, **kw
+    ):
+        super().__init__(graph, max_cuts=max_cuts, **kw)
+        self.time_limit = time_limit
+        self.max_span = max_span
+        self.last_gap: float | None = None
+        self.last_objective: float | None = None
+
+    def plan(self, model_budget: float) -> Plan | None:
+        import highspy
+        from scipy.sparse import lil_matrix
+
+        t = self.table
+        m, K = len(t.cuts), len(t.options)
+        edges = [
+            (k, a, b)
+            for a in range(m - 1)
+            for b in range(a + 1, min(m, a + 1 + self.max_span))
+            for k in range(K)
+            if t.stored[k, a, b] + t.transient[k, a, b] <= model_budget
+        ]
+        if not edges:
+            return None
+        E = len(edges)
+        nvar = E + m  # x per edge, then S per cut
+        cost = np.zeros(nvar)
+        cost[:E] = [t.flops[k, a, b] for k, a, b in edges]
+        rows = 2 * E + m
+        A = lil_matrix((rows, nvar))
+        lo, hi = np.full(rows, -highspy.kHighsInf), np.zeros(rows)
+        r = 0
+        for i, (k, a, b) in enumerate(edges):
+            st, tr = t.stored[k, a, b], t.transient[k, a, b]
+            A[r, E + a], A[r, E + b], A[r, i] = 1.0, -1.0, st + model_budget
+            hi[r] = model_budget  # S[b] >= S[a] + stored - B (1 - x)
+            A[r + 1, E + a], A[r + 1, i] = 1.0, st + tr
+            hi[r + 1] = model_budget  # S[a] + (stored + transient) x <= B
+            r += 2
+        for cut in range(m):  # flow: out - in = 1 at the source, -1 at the sink, else 0
+            for i, (_, a, b) in enumerate(edges):
+                if a == cut:
+                    A[r, i] += 1.0
+                if b == cut:
+                    A[r, i] -= 1.0
+            lo[r] = hi[r] = 1.0 if cut == 0 else (-1.0 if cut == m - 1 else 0.0)
+            r += 1
+        upper = np.concatenate([np.ones(E), np.full(m, model_budget)])
+        upper[E] = 0.0  # nothing is stored before the first cut
+        csc = A.tocsc()
+        lp = highspy.HighsLp()
+        lp.num_col_, lp.num_row_ = nvar, rows
+        lp.col_cost_, lp.col_lower_, lp.col_upper_ = cost, np.zeros(nvar), upper
+        lp.row_lower_, lp.row_upper_ = lo, hi
+        lp.a_matrix_.format_ = highspy.MatrixFormat.kColwise
+        lp.a_matrix_.start_, lp.a_matrix_.index_ = csc.indptr, csc.indices
+        lp.a_matrix_.value_ = csc.data
+        lp.integrality_ = [highspy.HighsVarType.kInteger] * E + [
+            highspy.HighsVarType.kContinuous
+        ] * m
+        h = highspy.Highs()
+        h.setOptionValue("output_flag", False)
+        h.setOptionValue("time_limit", float(self.time_limit))
+        h.passModel(lp)
+        start = self._warm_start(edges, model_budget)
+        if start is not None:
+            sol = highspy.HighsSolution()
+            sol.col_value = list(start)
+            sol.value_valid = True
+            h.setSolution(sol)
+        h.run()
+        info = h.getInfo()
+        values = np.asarray(h.getSolution().col_value)
+        if info.primal_solution_status != 2 or len(values) != nvar:  # 2: feasible
+            return None
+        self.last_gap = float(info.mip_gap)
+        self.last_objective = float(info.objective_function_value)
+        chosen = [edges[i] for i in range(E) if values[i] > 0.5]
+        by_start = {a: (k, b) for k, a, b in chosen}
+        segs, a = [], 0
+        while a < m - 1:
+            k, b = by_start[a]
+            segs.append((a, b, t.options[k]))
+            a = b
+        plan = to_plan(self.graph, t, segs, self.name)
+        plan.notes.append(
+            f"milp: objective {self.last_objective:.6g} FLOPs, optimality gap "
+            f"{self.last_gap:.3g} ({h.modelStatusToString(h.getModelStatus())})"
+        )
+        return plan
+
+    def _warm_start(self, edges, model_budget: float) -> np.ndarray | None:
+        """The chain DP's plan as the MILP's first incumbent (HiGHS then only improves it)."""
+        found = within_budget(self.table, model_budget)
+        if found is None:
+            return None
+        t = self.table
+        index = {e: i for i, e in enumerate(edges)}
+        x = np.zeros(len(edges) + len(t.cuts))
+        running = 0.0
+        for a, b, option in found[1]:
+            k = t.option_index(option)
+            i = index.get((k, a, b))
+            if i is None:
+                return None
+            x[i] = 1.0
+            x[len(edges) + a] = running
+            running += t.stored[k, a, b]
+        return x
