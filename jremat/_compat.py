@@ -39,6 +39,12 @@ def bind(eqn: Any, invals: list[Any]) -> list[Any]:
     return list(out) if eqn.primitive.multiple_results else [out]
 
 
+def bind_params_call(eqn: Any, invals: list[Any], params: dict[str, Any]) -> list[Any]:
+    """Bind `eqn`'s primitive on `invals` with `params` (raw equation params, edited)."""
+    fake = type("Eqn", (), {"primitive": eqn.primitive, "params": params})()
+    return bind(fake, invals)
+
+
 def subjaxprs(eqn: Any) -> list[Any]:
     """The open jaxprs held in an equation's parameters (scan body, cond branches, ...)."""
     return list(jex_core.jaxprs_in_params(eqn.params))
@@ -57,6 +63,15 @@ def inner_call_jaxpr(eqn: Any) -> tuple[Any, list[Any]] | None:
         if key in eqn.params:
             return closed(eqn.params[key])
     return None
+
+
+def scan_partition(eqn: Any) -> tuple[int, int]:
+    """(number of consts, number of carries) among a scan equation's operands."""
+    params = eqn.params
+    if "num_consts" in params:  # jax 0.10
+        return int(params["num_consts"]), int(params["num_carry"])
+    consts, carry, _ = params["ft_in"].update(list(range(len(eqn.invars)))).unpack()  # 0.12
+    return len(list(consts)), len(list(carry))
 
 
 def scan_length(eqn: Any) -> int:

@@ -62,6 +62,11 @@ class Plan:
       measured_flops: compiled FLOPs of `value_and_grad` when verified, else None.
       baseline_temp_bytes: compiled temp bytes of the unrematerialized program, when known.
       notes: free-form lines (rounds of verification, calibration).
+      scans: per scan equation (its node index, as a string), how its loop is rematerialized:
+        `{"policy": name in jremat.policies, "nest": k}`: the body runs under
+        `jax.checkpoint(policy)` (one decision for every iteration); with `nest` = k > 1 the
+        loop becomes an outer scan of length/k over checkpointed inner scans of k steps
+        (sqrt(L) nesting).
     """
 
     segments: list[Segment]
@@ -76,11 +81,12 @@ class Plan:
     measured_flops: float | None = None
     baseline_temp_bytes: int | None = None
     notes: list[str] = dataclasses.field(default_factory=list)
+    scans: dict[str, dict] = dataclasses.field(default_factory=dict)
 
     @property
     def is_identity(self) -> bool:
         """True when no segment is checkpointed: the function runs unchanged."""
-        return not any(s.checkpointed for s in self.segments)
+        return not any(s.checkpointed for s in self.segments) and not self.scans
 
     @classmethod
     def identity(cls, graph: Graph, **kw: Any) -> Plan:

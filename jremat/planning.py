@@ -121,6 +121,13 @@ class Program:
             plans = [planner.min_memory_plan()]
             if len(layer_segments(self.graph)) > 1:
                 plans += [recipe_plan(self.graph, policy, seg) for policy, seg in ANCHOR_RECIPES]
+            for scans in scan_configs(self.graph):
+                for base_plan in (Plan.identity(self.graph), planner.min_memory_plan()):
+                    p = copy.deepcopy(base_plan)
+                    p.scans, p.solver = scans, f"{base_plan.solver}+scan"
+                    plans.append(p)
+            unique = {_key(p): p for p in reversed(plans)}  # first occurrence wins
+            plans = [p for p in plans if unique.get(_key(p)) is p]
             self._anchors[planner.name] = [(p, self.compile(p)) for p in plans]
         return [(copy.deepcopy(p), c) for p, c in self._anchors[planner.name]]
 
@@ -290,7 +297,8 @@ def solve(
 
 
 def _key(p: Plan) -> str:
-    return ";".join(f"{s.start}:{s.end}:{s.policy}" for s in p.segments)
+    segs = ";".join(f"{s.start}:{s.end}:{s.policy}:{len(s.saved)}" for s in p.segments)
+    return f"{segs}|{sorted((k, tuple(sorted(v.items()))) for k, v in p.scans.items())}"
 
 
 def _finish(p: Plan, meta: dict, solver: str, graph: Graph) -> Plan:
@@ -312,7 +320,42 @@ def _raise_model_infeasible(spec: Budget, prog: Program, model_min: float):
     )
 
 
-# -- fixed recipes: built-in policies per layer, sqrt(n) -------------------------------------
+# -- fixed recipes: built-in policies per layer, sqrt(n), scans over layers --------------------
+def scan_configs(graph: Graph) -> list[dict[str, dict]]:
+    """Loop rematerializations to try for the graph's top-level scans (one decision for every
+    iteration): the body under nothing / dots-without-batch / dots saveable, and sqrt(L)
+    nesting (outer scan over checkpointed inner scans) keeping or recomputing the inner body.
+    Flax's `nn.remat_scan` never checkpoints its innermost body; these configurations do."""
+    scans = [n for n in graph.nodes if n.primitive == "scan"]
+    if not scans:
+        return []
+    configs = []
+    options = [
+        ("nothing_saveable", 1),
+        ("dots_with_no_batch_dims_saveable", 1),
+        ("dots_saveable", 1),
+        ("everything_saveable", 0),
+        ("nothing_saveable", 0),
+    ]
+    for policy, nest in options:
+        cfg = {}
+        for node in scans:
+            length = int(node.eqn.params["length"])
+            k = nest or _sqrt_divisor(length)
+            if nest == 0 and k <= 1:
+                continue
+            cfg[str(node.index)] = {"policy": policy, "nest": k}
+        if cfg:
+            configs.append(cfg)
+    return configs
+
+
+def _sqrt_divisor(n: int) -> int:
+    """The divisor of n closest to sqrt(n) (1 when n is prime)."""
+    divisors = [d for d in range(2, n) if n % d == 0]
+    return min(divisors, key=lambda d: abs(d - math.sqrt(n))) if divisors else 1
+
+
 def layer_segments(graph: Graph, max_pseudo_layers: int = 16) -> list[tuple[int, int]]:
     """The model's layers as node ranges (from name stacks), or equal-FLOP chunks between
     low-crossing cuts when the program carries no layer names."""

@@ -38,11 +38,64 @@ def segment_io(graph: Graph, seg: Segment) -> tuple[list[int], list[int]]:
     return list(live_in), live_out
 
 
-def _eval_nodes(nodes: Sequence[Any], env: dict[int, Any], tag: dict[int, str]) -> None:
+def _eval_nodes(
+    nodes: Sequence[Any], env: dict[int, Any], tag: dict[int, str], scans: dict | None = None
+) -> None:
     for node in nodes:
         invals = [x.val if is_literal(x) else env[x] for x in node.inputs]
-        for o, val in zip(node.outputs, _compat.bind(node.eqn, invals), strict=True):
+        cfg = (scans or {}).get(str(node.index))
+        outs = remat_scan(node.eqn, invals, **cfg) if cfg else _compat.bind(node.eqn, invals)
+        for o, val in zip(node.outputs, outs, strict=True):
             env[o] = checkpoint_name(val, tag[o]) if o in tag else val
+
+
+def remat_scan(eqn: Any, invals: list[Any], policy: str = "nothing_saveable", nest: int = 1):
+    """Evaluate a `scan` equation with its body under `jax.checkpoint(policy)`.
+
+    One decision applies to every iteration: each keeps its carry and what `policy` saves.
+    With `nest` = k > 1 dividing the length, the loop runs as an outer scan of length/k whose
+    checkpointed body is an inner scan of k steps (sqrt(L) nesting), so only every k-th carry
+    is stored. `prevent_cse` is off: inside a loop it changes nothing (DESIGN.md).
+    """
+    from jax.extend.core import ClosedJaxpr, jaxpr_as_fun
+
+    from . import policies
+
+    params = dict(eqn.params)
+    body = params["jaxpr"]
+    if not hasattr(body, "consts"):
+        body = ClosedJaxpr(body, [])
+    pol = policies.get(policy) if policy in policies.names() else policies.preset(policy).policy
+    body_fn = jax.checkpoint(jaxpr_as_fun(body), policy=pol, prevent_cse=False)
+    avals = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in body.jaxpr.invars]
+    params["jaxpr"] = jax.make_jaxpr(body_fn)(*avals)
+    length = int(params["length"])
+    if nest <= 1 or length % nest:
+        return _compat.bind_params_call(eqn, invals, params)
+    n_consts, n_carry = _compat.scan_partition(eqn)
+    consts, carry, xs = (
+        invals[:n_consts],
+        invals[n_consts : n_consts + n_carry],
+        invals[n_consts + n_carry :],
+    )
+    inner_params = dict(params, length=nest)
+    n_outer = length // nest
+
+    @functools.partial(
+        jax.checkpoint, policy=jax.checkpoint_policies.nothing_saveable, prevent_cse=False
+    )
+    def outer_body(c, x_chunk):
+        outs = _compat.bind_params_call(eqn, [*consts, *c, *x_chunk], inner_params)
+        return outs[:n_carry], outs[n_carry:]
+
+    chunks = [x.reshape((n_outer, nest) + x.shape[1:]) for x in xs]
+    if params.get("reverse"):
+        chunks = [c[::-1] for c in chunks]
+        carry_out, ys = jax.lax.scan(outer_body, list(carry), chunks)
+        ys = [y[::-1] for y in ys]
+    else:
+        carry_out, ys = jax.lax.scan(outer_body, list(carry), chunks)
+    return [*carry_out, *[y.reshape((length,) + y.shape[2:]) for y in ys]]
 
 
 def tied_checkpoint(
@@ -98,14 +151,14 @@ def run_graph(graph: Graph, plan: Plan, flat_args: Sequence[Any], *, prevent_cse
     for seg in plan.segments:
         nodes = graph.nodes[seg.start : seg.end]
         if not seg.checkpointed:
-            _eval_nodes(nodes, env, {})
+            _eval_nodes(nodes, env, {}, plan.scans)
             continue
         live_in, live_out = segment_io(graph, seg)
         tag = {v: residual_name(v) for v in seg.saved} if seg.policy == SAVE_NAMES else {}
 
         def seg_fn(*ins, nodes=nodes, live_in=live_in, live_out=live_out, tag=tag):
             local = dict(zip(live_in, ins, strict=True))
-            _eval_nodes(nodes, local, tag)
+            _eval_nodes(nodes, local, tag, plan.scans)
             return [local[o] for o in live_out]
 
         if _compat.TIED_RECOMPUTE:
