@@ -81,10 +81,18 @@ class Program:
         self._baseline: Compiled | None = None
         self.has_scan = _has_scan(self.graph)
         self._planners: dict = {}
+        self._compiled: dict[str, Compiled] = {}
         self._anchors: dict = {}
 
     def compile(self, plan: Plan | None) -> Compiled:
-        """Compiled temp bytes and FLOPs of one training step under `plan` (None: no remat)."""
+        """Compiled temp bytes and FLOPs of one training step under `plan` (None: no remat).
+        Memoized per plan structure: the same segments and saves compile once."""
+        key = "none" if plan is None else _key(plan)
+        if key not in self._compiled:
+            self._compiled[key] = self._compile(plan)
+        return self._compiled[key]
+
+    def _compile(self, plan: Plan | None) -> Compiled:
         f = self.fn if plan is None else rematerialize(self.fn, plan)
         exe = compile_step(f, self.args, self.nums)
         mem = exe.memory_analysis()
