@@ -82,6 +82,7 @@ class Program:
         self.has_scan = _has_scan(self.graph)
         self._planners: dict = {}
         self._compiled: dict[str, Compiled] = {}
+        self.tried: list[tuple[Plan, Compiled]] = []  # every plan compiled on this program
         self._anchors: dict = {}
 
     def compile(self, plan: Plan | None) -> Compiled:
@@ -90,6 +91,8 @@ class Program:
         key = "none" if plan is None else _key(plan)
         if key not in self._compiled:
             self._compiled[key] = self._compile(plan)
+            if plan is not None:
+                self.tried.append((copy.deepcopy(plan), self._compiled[key]))
         return self._compiled[key]
 
     def _compile(self, plan: Plan | None) -> Compiled:
@@ -292,6 +295,10 @@ def solve(
             if (hi - lo) / hi < 0.005:
                 break
         model_budget = max(nxt, model_min)
+    # a plan compiled for another budget on this program may fit this one more cheaply
+    for p, c in prog.tried:
+        if c.temp_bytes <= target and c.flops < best[0]:
+            best = (c.flops, copy.deepcopy(p), c)
     _, chosen, c = best
     chosen = prog.record(chosen, c)
     chosen.notes.extend(log)
@@ -305,7 +312,9 @@ def solve(
 
 
 def _key(p: Plan) -> str:
-    segs = ";".join(f"{s.start}:{s.end}:{s.policy}:{len(s.saved)}" for s in p.segments)
+    segs = ";".join(
+        f"{s.start}:{s.end}:{s.policy}:{','.join(map(str, s.saved))}" for s in p.segments
+    )
     return f"{segs}|{sorted((k, tuple(sorted(v.items()))) for k, v in p.scans.items())}"
 
 

@@ -19,10 +19,28 @@ time limit, starting from the chain DP's plan as incumbent, and reports the opti
 
 from __future__ import annotations
 
+import contextlib
+import os
+import sys
+
 import numpy as np
 
 from ..plan import Plan
 from .chain import ChainPlanner, to_plan, within_budget
+
+
+@contextlib.contextmanager
+def _quiet_stdout():
+    """Silence file descriptor 1 (C-level prints) for the duration of the block."""
+    sys.stdout.flush()
+    saved = os.dup(1)
+    with open(os.devnull, "w") as devnull:
+        os.dup2(devnull.fileno(), 1)
+        try:
+            yield
+        finally:
+            os.dup2(saved, 1)
+            os.close(saved)
 
 
 class MILPPlanner(ChainPlanner):
@@ -91,7 +109,8 @@ class MILPPlanner(ChainPlanner):
         lp.integrality_ = [highspy.HighsVarType.kInteger] * E + [
             highspy.HighsVarType.kContinuous
         ] * m
-        h = highspy.Highs()
+        with _quiet_stdout():  # HiGHS prints a banner to fd 1 when constructed
+            h = highspy.Highs()
         h.setOptionValue("output_flag", False)
         h.setOptionValue("time_limit", float(self.time_limit))
         h.passModel(lp)
