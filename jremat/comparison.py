@@ -1,15 +1,22 @@
-"""`jremat.compare`: what each policy costs in memory and compute, on one program.
+"""`jremat.compare`: what each remat policy costs in memory and compute, on one program.
 
-Every row is compiled (XLA's `memory_analysis` and `cost_analysis`) and executed once to
-compare its gradients with the unrematerialized ones.
+Every row is one compiled training step `jit(value_and_grad(fn))`: XLA's `memory_analysis`
+gives its temp and footprint bytes, `cost_analysis` its FLOPs. The same executable is run once
+to compare its gradients with the unrematerialized ones (and timed when `runs > 0`). Results
+export to Markdown, CSV and JSON (and load back), render as an HTML table in Jupyter/Colab,
+and plot as temp memory against extra FLOPs with the Pareto frontier marked.
 """
 
 from __future__ import annotations
 
+import copy
 import csv
 import dataclasses
+import html
 import io
 import json
+import os
+import statistics
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -17,187 +24,611 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from .budget import parse_budget
+from . import policies as _policies
+from .budget import Budget, parse_budget
 from .errors import InfeasibleBudgetError
-from .planning import Compiled, Program, recipe_plan, solve
+from .measure import compile_step, scan_flops_correction, xla_flops
+from .pareto import pareto_front
+from .plan import Plan
+from .planning import SOLVERS, Compiled, Program, recipe_plan, solve
 from .rewrite import rematerialize
 
 #: JAX built-in policies applied per layer (the layers found from the jaxpr's name stack).
 BUILTIN_PER_LAYER = ("nothing_saveable", "dots_saveable", "dots_with_no_batch_dims_saveable")
+#: Label of the reference row.
+NO_REMAT = "no remat"
+#: Label of the sqrt(n) row of the default set (Chen et al. 2016).
+SQRT_N = "sqrt(n) segments"
+#: Label of the planner rows ("jremat auto (<solver>)" for a solver other than "auto").
+AUTO = "jremat auto"
 
 
 @dataclasses.dataclass
 class Row:
-    """One policy at one budget. Bytes in bytes, FLOPs as XLA counts them, times in seconds.
+    """One policy (at one budget, for a planner). Bytes in bytes, times in seconds.
 
-    `extra_flops_pct` is 100 x (FLOPs / unrematerialized FLOPs - 1); `max_grad_diff` the largest
-    absolute difference from the unrematerialized gradients; `status` "ok" or "infeasible".
+    Attributes:
+      policy: the row's label ("no remat", "dots_saveable per layer", "jremat auto", ...).
+      budget: the budget the planner was given, as the caller wrote it; None for fixed policies.
+      temp_bytes: XLA's temp bytes of the compiled step (activations, residuals in flight).
+      footprint_bytes: argument + output - alias + temp bytes.
+      flops: XLA's FLOPs of the step (scan bodies counted once per trip).
+      extra_flops_pct: 100 x (flops / unrematerialized flops - 1).
+      max_grad_diff: largest absolute difference from the unrematerialized gradients.
+      compile_seconds: wall seconds to lower and compile the step.
+      step_seconds: median wall seconds of one step over `runs` runs; None when runs == 0.
+      plan_seconds: wall seconds the planner took (planner rows only).
+      budget_temp_bytes: the budget translated to temp bytes (planner rows only).
+      status: "ok" or "infeasible" (the budget is below what any plan reaches).
+      note: why a row is not "ok" (the smallest reachable budget).
     """
 
     policy: str
-    budget: Any
-    temp_bytes: int | None
-    footprint_bytes: int | None
-    extra_flops_pct: float | None
-    max_grad_diff: float | None
-    compile_seconds: float
+    budget: Any = None
+    temp_bytes: int | None = None
+    footprint_bytes: int | None = None
+    flops: float | None = None
+    extra_flops_pct: float | None = None
+    max_grad_diff: float | None = None
+    compile_seconds: float | None = None
+    step_seconds: float | None = None
     plan_seconds: float | None = None
+    budget_temp_bytes: int | None = None
     status: str = "ok"
     note: str = ""
+
+    @property
+    def ok(self) -> bool:
+        """The row was compiled (its figures are set)."""
+        return self.status == "ok" and self.temp_bytes is not None
+
+    @property
+    def label(self) -> str:
+        """`policy`, with the budget for planner rows ("jremat auto @ 0.25")."""
+        return self.policy if self.budget is None else f"{self.policy} @ {self.budget}"
+
+
+_FIELDS = [f.name for f in dataclasses.fields(Row)]
+_INT_FIELDS = {"temp_bytes", "footprint_bytes", "budget_temp_bytes"}
+_FLOAT_FIELDS = {
+    "flops",
+    "extra_flops_pct",
+    "max_grad_diff",
+    "compile_seconds",
+    "step_seconds",
+    "plan_seconds",
+}
 
 
 @dataclasses.dataclass
 class Comparison:
-    """Rows of a comparison, with exporters (Markdown, CSV, JSON)."""
+    """Rows of a policy comparison, with exporters, an HTML view and a Pareto plot.
+
+    Attributes:
+      rows: one `Row` per policy (and per budget for planners), the "no remat" row first.
+      description: what was compared (the model), used as the plot's and table's caption.
+      baseline_temp_bytes: temp bytes of the unrematerialized step.
+    """
 
     rows: list[Row]
     description: str = ""
     baseline_temp_bytes: int = 0
 
-    def to_json(self) -> str:
-        """A JSON list of row objects."""
-        return json.dumps([dataclasses.asdict(r) for r in self.rows], indent=2)
+    # -- queries --------------------------------------------------------------------------
+    def pareto(self) -> list[Row]:
+        """The compiled rows no other row beats in both temp bytes and extra FLOPs, sorted by
+        extra FLOPs (see `jremat.pareto.pareto_front`)."""
+        ok = [r for r in self.rows if r.ok]
+        return [ok[i] for i in pareto_front([(r.extra_flops_pct, r.temp_bytes) for r in ok])]
 
-    def to_csv(self, path: str | None = None) -> str:
-        """The rows as CSV text; also written to `path` when given."""
+    def _frontier_ids(self) -> set[int]:
+        return {id(r) for r in self.pareto()}
+
+    # -- exports --------------------------------------------------------------------------
+    def to_json(self, path: str | os.PathLike | None = None) -> str:
+        """The rows as a JSON list of objects (keys: `Row`'s fields); also written to `path`.
+
+        Units: bytes, FLOPs, percent, seconds. `Comparison.from_json` reads it back.
+        """
+        text = json.dumps([dataclasses.asdict(r) for r in self.rows], indent=2)
+        if path is not None:
+            with open(path, "w", encoding="utf-8") as f:
+                f.write(text + "\n")
+        return text
+
+    def to_csv(self, path: str | os.PathLike | None = None) -> str:
+        """The rows as CSV text (header: `Row`'s fields; empty cell for None); also written to
+        `path` when given. `Comparison.from_csv` reads it back with the same numbers."""
         buf = io.StringIO()
-        fields = [f.name for f in dataclasses.fields(Row)]
-        w = csv.DictWriter(buf, fieldnames=fields)
+        w = csv.DictWriter(buf, fieldnames=_FIELDS, lineterminator="\n")
         w.writeheader()
         for r in self.rows:
-            w.writerow(dataclasses.asdict(r))
-        if path:
+            w.writerow({k: ("" if v is None else v) for k, v in dataclasses.asdict(r).items()})
+        if path is not None:
             with open(path, "w", encoding="utf-8", newline="") as f:
                 f.write(buf.getvalue())
         return buf.getvalue()
 
-    def to_markdown(self) -> str:
-        """A Markdown table: policy, budget, temp MiB, footprint MiB, extra FLOPs %, ..."""
-        mib = 2.0**20
-        head = (
-            "| policy | budget | temp MiB | footprint MiB | extra FLOPs % | max grad diff "
-            "| compile s | plan s |"
-        )
-        lines = [head, "|---|---|---:|---:|---:|---:|---:|---:|"]
-        for r in self.rows:
-            if r.status != "ok":
-                lines.append(
-                    f"| {r.policy} | {r.budget} | {r.note} | | | | | "
-                    f"{_fmt(r.plan_seconds, '.1f')} |"
-                )
-                continue
-            lines.append(
-                f"| {r.policy} | {r.budget if r.budget is not None else '-'} "
-                f"| {r.temp_bytes / mib:.2f} | {r.footprint_bytes / mib:.2f} "
-                f"| {r.extra_flops_pct:.1f} | {r.max_grad_diff:.1e} | {r.compile_seconds:.1f} "
-                f"| {_fmt(r.plan_seconds, '.1f')} |"
+    @classmethod
+    def from_json(cls, source: str | os.PathLike, description: str = "") -> Comparison:
+        """Load rows written by `to_json`: JSON text, or the path of a file holding it.
+
+        Also accepts an object `{"rows": [...], "description": ...}`. Keys that are not `Row`
+        fields are ignored. Raises ValueError when the JSON is not a list of row objects.
+        """
+        data = json.loads(_read_source(source, "[{"))
+        if isinstance(data, dict):
+            description = description or data.get("description", "")
+            data = data.get("rows")
+        if not isinstance(data, list) or not all(isinstance(d, dict) for d in data):
+            raise ValueError("from_json expects a JSON list of row objects (as to_json writes)")
+        rows = []
+        for i, d in enumerate(data):
+            if "policy" not in d:
+                raise ValueError(f"row {i} has no 'policy' key: {d!r}")
+            rows.append(Row(**{k: v for k, v in d.items() if k in _FIELDS}))
+        return cls._with_rows(rows, description)
+
+    @classmethod
+    def from_csv(cls, source: str | os.PathLike, description: str = "") -> Comparison:
+        """Load rows written by `to_csv`: CSV text, or the path of a file holding it.
+
+        Raises ValueError when the header lacks the `policy` column or a number is malformed.
+        """
+        reader = csv.DictReader(io.StringIO(_read_source(source, None)))
+        if not reader.fieldnames or "policy" not in reader.fieldnames:
+            raise ValueError(
+                f"from_csv expects a header with a 'policy' column, got {reader.fieldnames}"
             )
+        rows = []
+        for line, rec in enumerate(reader, start=2):
+            kw: dict[str, Any] = {}
+            for k, v in rec.items():
+                if k not in _FIELDS:
+                    continue
+                try:
+                    kw[k] = _from_cell(k, v or "")
+                except ValueError as e:
+                    raise ValueError(f"CSV line {line}, column {k!r}: {e}") from e
+            rows.append(Row(**kw))
+        return cls._with_rows(rows, description)
+
+    @classmethod
+    def _with_rows(cls, rows: list[Row], description: str) -> Comparison:
+        base = next((r.temp_bytes for r in rows if r.policy == NO_REMAT and r.ok), None)
+        if base is None:
+            base = max((r.temp_bytes for r in rows if r.ok), default=0)
+        return cls(rows, description, int(base))
+
+    def to_markdown(self) -> str:
+        """A Markdown table: policy, budget, temp and footprint (MiB, or KiB/GiB by size),
+        extra FLOPs %, max gradient difference, seconds, and whether the row is on the Pareto
+        frontier; notes for infeasible rows follow the table."""
+        head, body, notes = self._table()
+        lines = ["| " + " | ".join(head) + " |"]
+        lines.append("|" + "|".join("---" if i < 2 else "---:" for i in range(len(head))) + "|")
+        lines += ["| " + " | ".join(cells) + " |" for cells, _ in body]
+        lines += [""] + [f"- {n}" for n in notes] if notes else []
         return "\n".join(lines)
 
-    def _repr_markdown_(self) -> str:
-        return self.to_markdown()
+    def _repr_html_(self) -> str:
+        head, body, notes = self._table()
+        caption = html.escape(self.description or "jremat compare")
+        if self.baseline_temp_bytes:
+            caption += f" (no remat temp: {self.baseline_temp_bytes / 2**20:.2f} MiB)"
+        out = [f"<table><caption>{caption}</caption><thead><tr>"]
+        out += [f"<th>{html.escape(h)}</th>" for h in head]
+        out.append("</tr></thead><tbody>")
+        for cells, kind in body:
+            style = {"front": "font-weight:bold", "bad": "color:#888;font-style:italic"}.get(kind)
+            attr = f' style="{style}"' if style else ""
+            tds = "".join(
+                f'<td style="text-align:{"left" if i < 2 else "right"}">{html.escape(c)}</td>'
+                for i, c in enumerate(cells)
+            )
+            out.append(f"<tr{attr}>{tds}</tr>")
+        out.append("</tbody></table>")
+        if notes:
+            out.append("<ul>" + "".join(f"<li>{html.escape(n)}</li>" for n in notes) + "</ul>")
+        out.append(
+            "<p><small>Bold: on the Pareto frontier (no other row has both less temp "
+            "memory and fewer extra FLOPs).</small></p>"
+        )
+        return "".join(out)
+
+    def _table(self) -> tuple[list[str], list[tuple[list[str], str]], list[str]]:
+        unit, scale = memory_unit(max((r.temp_bytes for r in self.rows if r.ok), default=0))
+        plan_col = any(r.plan_seconds is not None for r in self.rows)
+        step_col = any(r.step_seconds is not None for r in self.rows)
+        head = ["policy", "budget", f"temp {unit}", f"footprint {unit}", "extra FLOPs %"]
+        head += ["max grad diff", "compile s"]
+        head += ["plan s"] * plan_col + ["step ms"] * step_col + ["Pareto"]
+        front = self._frontier_ids()
+        body, notes = [], []
+        for r in self.rows:
+            budget = "-" if r.budget is None else str(r.budget)
+            if not r.ok:
+                cells = [r.policy, budget, r.status] + [""] * (len(head) - 3)
+                body.append((cells, "bad"))
+                notes.append(f"{r.label}: {r.note or r.status}")
+                continue
+            cells = [
+                r.policy,
+                budget,
+                f"{r.temp_bytes / scale:.2f}",
+                f"{r.footprint_bytes / scale:.2f}",
+                f"{r.extra_flops_pct:.1f}",
+                f"{r.max_grad_diff:.1e}",
+                _fmt(r.compile_seconds, ".1f"),
+            ]
+            cells += [_fmt(r.plan_seconds, ".1f")] * plan_col
+            cells += [_fmt(None if r.step_seconds is None else 1e3 * r.step_seconds, ".3g")] * (
+                step_col
+            )
+            on_front = id(r) in front
+            cells.append("yes" if on_front else "")
+            body.append((cells, "front" if on_front else ""))
+        return head, body, notes
+
+    # -- plot -----------------------------------------------------------------------------
+    def plot(
+        self, path: str | os.PathLike | None = None, *, title: str | None = None, dpi: int = 150
+    ):
+        """A matplotlib figure of temp memory against extra FLOPs, Pareto frontier marked.
+
+        Each compiled row is a labelled point; the frontier (rows no other row beats on both
+        axes) is a staircase line; the planner's budgets are dashed lines. Drawn with the Agg
+        canvas (no display needed, pyplot's state untouched).
+
+        Args:
+          path: when given, the figure is saved there (format from the suffix, e.g. ".png").
+          title: the figure's title; default "Remat policies: <description>".
+          dpi: resolution of the saved file.
+
+        Returns:
+          A `matplotlib.figure.Figure` (in Jupyter, display it or let the cell return it).
+
+        Raises:
+          ImportError: matplotlib is not installed (`pip install "jremat[plot]"`).
+          ValueError: no row was compiled, so there is nothing to plot.
+        """
+        from .pareto import plot_comparison
+
+        return plot_comparison(self, path=path, title=title, dpi=dpi)
+
+
+def memory_unit(nbytes: float) -> tuple[str, float]:
+    """("KiB"|"MiB"|"GiB", bytes per unit) to print `nbytes`-sized figures readably."""
+    if nbytes >= 2**30:
+        return "GiB", 2.0**30
+    if nbytes >= 2**20:
+        return "MiB", 2.0**20
+    return "KiB", 2.0**10
 
 
 def _fmt(x: float | None, spec: str) -> str:
     return "-" if x is None else format(x, spec)
 
 
+def _read_source(source: str | os.PathLike, starts: str | None) -> str:
+    """Text given directly, or read from a path (a PathLike, or a one-line str naming a file)."""
+    if isinstance(source, os.PathLike):
+        with open(source, encoding="utf-8") as f:
+            return f.read()
+    if not isinstance(source, str):
+        raise TypeError(f"expected text or a path, got {type(source).__name__}")
+    text = source.lstrip()
+    looks_like_text = "\n" in text or (starts is not None and text[:1] in starts)
+    if not looks_like_text and os.path.isfile(source):
+        with open(source, encoding="utf-8") as f:
+            return f.read()
+    return source
+
+
+def _from_cell(field: str, text: str) -> Any:
+    if field in _INT_FIELDS:
+        return None if text == "" else int(text)
+    if field in _FLOAT_FIELDS:
+        return None if text == "" else float(text)
+    if field == "budget":
+        return None if text == "" else parse_budget_text(text)
+    return text
+
+
+def parse_budget_text(text: str) -> Any:
+    """A budget written as text ("0.25", "1000000", "512MiB") as the value `compare` takes:
+    an int, else a float, else the string itself."""
+    text = text.strip()
+    for conv in (int, float):
+        try:
+            return conv(text)
+        except ValueError:
+            pass
+    return text
+
+
 def _max_diff(a: Any, b: Any) -> float:
     diffs = [
         jnp.max(jnp.abs(x.astype(jnp.float32) - y.astype(jnp.float32)))
         for x, y in zip(jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b), strict=True)
+        if getattr(x, "size", 0)
     ]
     return float(max(diffs)) if diffs else 0.0
+
+
+# -- what to compare -----------------------------------------------------------------------
+@dataclasses.dataclass
+class _Job:
+    label: str
+    recipe: tuple[str, str] | None = None  # (policy or preset name, segmentation)
+    plan: Plan | None = None
+    solver: str | None = None
+    spec: Budget | None = None
+
+
+def _fixed_jobs(policies: str | Sequence[Any] | None, builtins: Sequence[str] | None) -> list[_Job]:
+    """Validate the policy names and return the fixed-recipe jobs (no tracing needed)."""
+    jobs: list[_Job] = []
+    if builtins is not None or policies is None:
+        names = BUILTIN_PER_LAYER if builtins is None else builtins
+        if isinstance(names, str):
+            names = [names]
+        for i, name in enumerate(names):
+            if name not in _policies.names():
+                raise ValueError(
+                    f"builtins[{i}]={name!r} is not a jremat.policies name; accepted: "
+                    f"{', '.join(_policies.names())}"
+                )
+            jobs.append(_Job(f"{name} per layer", recipe=(name, "layers")))
+    if policies is None:
+        jobs.append(_Job(SQRT_N, recipe=("nothing_saveable", "sqrt_n")))
+        return jobs
+    if isinstance(policies, str) or _is_plan_pair(policies):
+        policies = [policies]
+    presets, names = _policies.preset_names(), _policies.names()
+    for i, p in enumerate(list(policies)):
+        if _is_plan_pair(p):
+            jobs.append(_Job(str(p[0]), plan=p[1]))
+        elif isinstance(p, str) and p in names:
+            jobs.append(_Job(f"{p} per layer", recipe=(p, "layers")))
+        elif isinstance(p, str) and p in presets:
+            pre = _policies.preset(p)
+            # a parameter-free preset runs as its policy's name, so that its program is the
+            # same (and compiled once) as the planner's reference plans
+            policy = pre.policy_name if not pre.params and pre.policy_name in names else p
+            recipe = None if pre.segmentation == "none" else (policy, pre.segmentation)
+            jobs.append(_Job(p, recipe=recipe))
+        else:
+            raise ValueError(
+                f"policies[{i}]={p!r} is neither a jremat.policies name (applied per layer: "
+                f"{', '.join(_policies.names())}), a preset ({', '.join(presets)}), nor a "
+                "(label, jremat.Plan) pair"
+            )
+    return jobs
+
+
+def _is_plan_pair(p: Any) -> bool:
+    return isinstance(p, tuple) and len(p) == 2 and isinstance(p[1], Plan)
+
+
+# -- running it ----------------------------------------------------------------------------
+class _Program(Program):
+    """A `Program` that keeps each compiled step, so that a plan compiled by the planner
+    while verifying (the baseline, the reference recipes, its rounds) is not compiled again
+    for its row, and a row's executable is the one whose figures it reports."""
+
+    def __init__(self, fn: Callable[..., Any], args: tuple, argnums: Any):
+        super().__init__(fn, args, argnums)
+        self._steps: dict[Any, tuple[Compiled, Any, float]] = {}
+
+    def compile(self, plan: Plan | None) -> Compiled:
+        return self.step(plan)[0]
+
+    def step(self, plan: Plan | None) -> tuple[Compiled, Any, float]:
+        """(figures, executable, compile seconds) of `value_and_grad` under `plan`."""
+        key = _plan_key(plan)
+        if key not in self._steps:
+            f = self.fn if plan is None else rematerialize(self.fn, plan)
+            t0 = time.perf_counter()
+            exe = compile_step(f, self.args, self.nums)
+            seconds = time.perf_counter() - t0
+            mem = exe.memory_analysis()
+            flops = xla_flops(exe)
+            if self.has_scan:
+                flops += scan_flops_correction(f, self.args, self.nums)
+            fixed = mem.argument_size_in_bytes + mem.output_size_in_bytes - mem.alias_size_in_bytes
+            self._steps[key] = (
+                Compiled(int(mem.temp_size_in_bytes), flops, int(fixed)),
+                exe,
+                seconds,
+            )
+            if plan is not None:
+                self.tried.append((copy.deepcopy(plan), self._steps[key][0]))
+        return self._steps[key]
+
+
+def _plan_key(plan: Plan | None) -> Any:
+    """What decides the rewritten program: segments with their saves, and scan settings."""
+    if plan is None or plan.is_identity:
+        return None
+    segs = tuple((s.start, s.end, s.policy, tuple(s.saved)) for s in plan.segments)
+    return segs, json.dumps(plan.scans, sort_keys=True, default=str)
+
+
+@dataclasses.dataclass
+class _Run:
+    temp_bytes: int
+    fixed_bytes: int
+    flops: float
+    grads: Any
+    compile_seconds: float
+    step_seconds: float | None
+
+
+def _run(prog: _Program, args: tuple, plan: Plan | None, runs: int) -> _Run:
+    """Figures of the step under `plan`; execute it once for gradients (and `runs` timed)."""
+    c, exe, compile_s = prog.step(plan)
+    _, grads = jax.block_until_ready(exe(*args))
+    step = None
+    if runs:
+        times = []
+        for _ in range(runs):
+            t = time.perf_counter()
+            jax.block_until_ready(exe(*args))
+            times.append(time.perf_counter() - t)
+        step = statistics.median(times)
+    return _Run(c.temp_bytes, c.fixed_bytes, c.flops, grads, compile_s, step)
 
 
 def compare(
     fn: Callable[..., Any],
     *args: Any,
+    policies: str | Sequence[Any] | None = None,
     budgets: Sequence[Any] = (0.25, 0.5, 0.75),
-    builtins: Sequence[str] = BUILTIN_PER_LAYER,
     argnums: int | Sequence[int] = 0,
+    runs: int = 0,
+    solvers: Sequence[str] = ("auto",),
+    builtins: Sequence[str] | None = None,
+    description: str = "",
     progress: bool = True,
 ) -> Comparison:
-    """Compare the unrematerialized program, JAX's built-in policies per layer, sqrt(n)
-    segments (Chen et al. 2016) and `jremat.plan` at each budget, on `fn(*args)`.
+    """Compile `fn`'s training step under each remat policy and compare memory and FLOPs.
+
+    Rows: "no remat" (the reference), then each policy, then each planner at each budget
+    (`jremat.plan`, which compiles and verifies its plan). Every row is compiled and executed
+    once; its gradients are compared with the unrematerialized ones.
 
     Args:
-      fn: returns a scalar float loss; `args` concrete arrays (rows are executed once).
-      budgets: budgets for the planner (any accepted form, see `jremat.budget`).
-      builtins: names in `jremat.policies` to apply per layer.
-      argnums: differentiated arguments.
-      progress: show a tqdm progress bar on stderr.
+      fn: returns a scalar float loss; `args` are concrete arrays or pytrees (rows execute).
+      policies: what to compare besides "no remat" and the planners. None: the default set,
+        JAX's built-in policies per layer (`builtins`) and sqrt(n) segments (Chen et al.
+        2016, "Training Deep Nets with Sublinear Memory Cost"). Otherwise a sequence whose
+        items are names in `jremat.policies.names()` (applied per layer), preset names from
+        `jremat.policies.preset_names()` (each with its own segmentation), or
+        `(label, jremat.Plan)` pairs.
+      budgets: budgets for each planner, in any form `jremat.plan` accepts (fractions of the
+        unrematerialized temp bytes, footprint bytes, "512MiB", "auto"); () for none.
+      argnums: differentiated arguments, as in `jax.grad`.
+      runs: when > 0, time this many executions of each row's step (median, seconds).
+      solvers: planners run at every budget (names in `jremat.planning.SOLVERS`); default
+        "auto", `jremat.plan`'s choice (the MILP on small graphs, the chain DP otherwise).
+      builtins: `jremat.policies` names applied per layer; default
+        `BUILTIN_PER_LAYER` when `policies` is None. Given with `policies`, both are compared.
+      description: a caption for tables and plots (for example the model's name).
+      progress: show a tqdm progress bar while compiling.
 
     Returns:
-      A `Comparison`. An unreachable budget gives a row with status "infeasible" whose note
-      states the smallest reachable budget.
+      A `Comparison`. A budget below what any plan reaches gives a row with status
+      "infeasible" whose note states the smallest reachable budget.
+
+    Raises:
+      ValueError: an unknown policy, preset or solver name (the message lists the accepted
+        ones), a malformed budget, or `runs` < 0.
+      TypeError: `fn` does not return a scalar float, or `argnums` selects no float input.
+
+    Example:
+      >>> import jax.numpy as jnp, jremat
+      >>> loss = lambda w, x: jnp.mean(jnp.tanh(x @ w) ** 2)
+      >>> c = jremat.compare(loss, jnp.ones((8, 8)), jnp.ones((4, 8)), budgets=())
+      >>> [r.policy for r in c.rows][:2]
+      ['no remat', 'nothing_saveable per layer']
     """
+    if not isinstance(runs, int) or isinstance(runs, bool) or runs < 0:
+        raise ValueError(f"runs must be an int >= 0, got {runs!r}")
+    if isinstance(solvers, str):
+        solvers = [solvers]
+    for s in solvers:
+        if s not in SOLVERS:
+            raise ValueError(f"solvers: {s!r} is not a planner; accepted: {', '.join(SOLVERS)}")
+    if isinstance(budgets, (str, int, float)):
+        budgets = [budgets]
     specs = [parse_budget(b) for b in budgets]
-    prog = Program(fn, args, argnums)
-    nums = prog.nums[0] if len(prog.nums) == 1 else prog.nums
-    grad = lambda f: jax.jit(jax.grad(f, argnums=nums))(*args)  # noqa: E731
-    ref = grad(fn)
-    jobs: list[tuple[str, Any, Any]] = [("no remat", None, None)]
-    jobs += [(f"{p} per layer", None, recipe_plan(prog.graph, p, "layers")) for p in builtins]
-    jobs.append(("sqrt(n) segments", None, recipe_plan(prog.graph, "nothing_saveable", "sqrt_n")))
-    jobs += [("jremat auto (chain)", spec, None) for spec in specs]
-    rows = []
-    bar = _progress(len(jobs), progress)
-    base = _timed_compile(prog, None)
-    for name, spec, plan in jobs:
-        plan_s = None
-        try:
-            if spec is not None:
-                t0 = time.perf_counter()
-                plan = solve(prog, spec)
-                plan_s = time.perf_counter() - t0
-            if plan is not None and plan.measured_temp_bytes is not None:
-                # the planner already compiled it while verifying
-                c = Compiled(plan.measured_temp_bytes, plan.measured_flops, base[0].fixed_bytes)
-                secs = 0.0
-            else:
-                c, secs = base if plan is None else _timed_compile(prog, plan)
-            f = fn if plan is None else rematerialize(fn, plan)
-            diff = 0.0 if plan is None else _max_diff(grad(f), ref)
-            rows.append(
-                Row(
-                    name,
-                    None if spec is None else spec.raw,
-                    c.temp_bytes,
-                    c.temp_bytes + c.fixed_bytes,
-                    100.0 * (c.flops / base[0].flops - 1.0) if base[0].flops else 0.0,
-                    diff,
-                    secs,
-                    plan_s,
+    jobs = _fixed_jobs(policies, builtins)
+    prog = _Program(fn, args, argnums)
+    for job in jobs:
+        if job.recipe is not None:
+            job.plan = recipe_plan(prog.graph, *job.recipe)
+    jobs += [_Job(_solver_label(s), solver=s, spec=spec) for s in solvers for spec in specs]
+
+    bar = _progress(1 + len(jobs), progress)
+    bar.set_postfix_str(NO_REMAT)
+    base = _run(prog, args, None, runs)
+    bar.update(1)
+    rows = [
+        Row(
+            NO_REMAT,
+            None,
+            base.temp_bytes,
+            base.temp_bytes + base.fixed_bytes,
+            base.flops,
+            0.0,
+            0.0,
+            base.compile_seconds,
+            base.step_seconds,
+        )
+    ]
+
+    def extra(flops: float) -> float:
+        return 100.0 * (flops / base.flops - 1.0) if base.flops else 0.0
+
+    for job in jobs:
+        bar.set_postfix_str(job.label if job.spec is None else f"{job.label} @ {job.spec.raw}")
+        plan, plan_s, target = job.plan, None, None
+        if job.spec is not None:
+            target = job.spec.temp_bytes(base.temp_bytes, base.fixed_bytes)
+            target = max(int(target), 0)
+            t0 = time.perf_counter()
+            try:
+                plan = solve(prog, job.spec, solver=job.solver)
+            except InfeasibleBudgetError as e:
+                rows.append(
+                    Row(
+                        job.label,
+                        job.spec.raw,
+                        plan_seconds=time.perf_counter() - t0,
+                        budget_temp_bytes=target,
+                        status="infeasible",
+                        note=f"infeasible: smallest reachable budget {e.smallest_reachable}",
+                    )
                 )
+                bar.update(1)
+                continue
+            plan_s = time.perf_counter() - t0
+            if plan.is_identity:
+                plan = None  # the budget holds without remat: fn itself
+        r = base if plan is None and job.plan is None else _run(prog, args, plan, runs)
+        rows.append(
+            Row(
+                job.label,
+                None if job.spec is None else job.spec.raw,
+                r.temp_bytes,
+                r.temp_bytes + r.fixed_bytes,
+                r.flops,
+                extra(r.flops),
+                0.0 if r is base else _max_diff(r.grads, base.grads),
+                r.compile_seconds,
+                r.step_seconds,
+                plan_s,
+                target,
             )
-        except InfeasibleBudgetError as e:
-            rows.append(
-                Row(
-                    name,
-                    spec.raw if spec else None,
-                    None,
-                    None,
-                    None,
-                    None,
-                    0.0,
-                    None,
-                    "infeasible",
-                    f"infeasible: smallest reachable {e.smallest_reachable}",
-                )
-            )
+        )
         bar.update(1)
     bar.close()
-    return Comparison(rows, baseline_temp_bytes=base[0].temp_bytes)
+    return Comparison(rows, description, base.temp_bytes)
 
 
-def _timed_compile(prog: Program, plan: Any) -> tuple[Compiled, float]:
-    t0 = time.perf_counter()
-    c = prog.baseline if plan is None else prog.compile(plan)
-    return c, time.perf_counter() - t0
+def _solver_label(solver: str) -> str:
+    """Row label of a planner: "jremat auto" for `jremat.plan`'s default, else with its name."""
+    return AUTO if solver == "auto" else f"{AUTO} ({solver})"
 
 
 def _progress(total: int, enabled: bool):
-    from tqdm.auto import tqdm
+    import warnings
+
+    from tqdm.std import TqdmWarning
+
+    with warnings.catch_warnings():  # a notebook without ipywidgets gets a text bar, silently
+        warnings.simplefilter("ignore", TqdmWarning)
+        from tqdm.auto import tqdm
 
     return tqdm(total=total, disable=not enabled, desc="jremat compare", leave=False)

@@ -1,15 +1,15 @@
 """Model zoo for `jremat compare`: each workload is a loss, its parameters and a batch.
 
-| name | model | source | needs |
-|---|---|---|---|
-| `gpt2` (default) | GPT-2 decoder, byte-level text | `transformers.FlaxGPT2LMHeadModel` | `jremat[zoo]` |
-| `vit` | Vision Transformer, image classification | `transformers.FlaxViTForImageClassification` | `jremat[zoo]` |
-| `resnet` | ResNet-18 (or -50), image classification | `jax_resnet.ResNet18` / `ResNet50` | `jremat[zoo]` |
-| `unet` | U-Net (Ronneberger et al. 2015), denoising | `jremat.models.unet` (Flax linen) | - |
-| `mlp` | residual MLP chain | `jremat.models.plain` (plain JAX) | - |
-| `llama` | Llama decoder, byte-level text | `transformers.FlaxLlamaForCausalLM` | `jremat[zoo]` |
-| `bert` | BERT encoder, masked language model | `transformers.FlaxBertForMaskedLM` | `jremat[zoo]` |
-| `unet_plain` | U-Net-like conv net (jremat's earlier `unet`) | `jremat.models.plain` | - |
+| name | model | source (`jremat[zoo]` extra unless plain) |
+|---|---|---|
+| `gpt2` (default) | GPT-2 decoder, byte-level text | `transformers.FlaxGPT2LMHeadModel` |
+| `vit` | Vision Transformer, classifier | `transformers.FlaxViTForImageClassification` |
+| `resnet` | ResNet-18/34/50, classifier | `jax_resnet.ResNet` (package `jax-resnet`) |
+| `unet` | U-Net (Ronneberger et al. 2015), denoiser | `jremat.models.unet` (plain Flax) |
+| `mlp` | residual MLP chain | `jremat.models.plain` (plain JAX) |
+| `llama` | Llama decoder, byte-level text | `transformers.FlaxLlamaForCausalLM` |
+| `bert` | BERT encoder, masked language model | `transformers.FlaxBertForMaskedLM` |
+| `unet_plain` | U-Net-like conv net (the earlier `unet`) | `jremat.models.plain` (plain JAX) |
 
 Every model is built from a config with random weights (nothing is downloaded). Text models
 read byte-tokenized public-domain text shipped in `jremat.data`; vision models read synthetic
@@ -25,6 +25,8 @@ import dataclasses
 import importlib
 from collections.abc import Callable
 from typing import Any
+
+import jax
 
 
 @dataclasses.dataclass
@@ -99,11 +101,28 @@ def _check_name(name: str) -> None:
         raise ValueError(f"unknown model {name!r}; available: {', '.join(NAMES)}")
 
 
+def init_key(seed: int = 0) -> jax.Array:
+    """The PRNG key workloads initialise their random weights with.
+
+    A typed key of the "rbg" implementation (XLA's RngBitGenerator): initialising with the
+    default threefry keys costs seconds of XLA:CPU compilation per parameter shape on
+    jax 0.10 (9 s against 2 s for five conv kernels, measured), which dominated building a
+    model. The weights are random either way; memory and FLOPs depend only on shapes.
+    """
+    return jax.random.key(seed, impl="rbg")
+
+
+def init_hf(model: Any) -> Any:
+    """Random parameters of a transformers Flax model built with `_do_init=False`, initialised
+    in one jitted call from `init_key()` (transformers would initialise eagerly, op by op)."""
+    return jax.jit(model.init_weights, static_argnums=1)(init_key(0), model.input_shape)
+
+
 def require(package: str, model: str) -> Any:
     """Import `package` for workload `model`, or raise ImportError naming the extra to install."""
     try:
         return importlib.import_module(package)
     except ImportError as e:
         raise ImportError(
-            f"the {model} workload needs the {package!r} package: pip install \"jremat[zoo]\""
+            f'the {model} workload needs the {package!r} package: pip install "jremat[zoo]"'
         ) from e

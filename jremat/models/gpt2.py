@@ -7,11 +7,21 @@ Learners" (2019). Built from a `GPT2Config`; no weights are downloaded.
 
 from __future__ import annotations
 
-import jax
+from typing import Any
+
 import jax.numpy as jnp
 
 from .. import data
-from . import Workload
+from . import Workload, init_hf
+from .hf import next_token_loss, transformers_module
+
+#: Size presets: keyword arguments of `workload`.
+SIZES: dict[str, dict[str, dict[str, Any]]] = {
+    "gpt2": {
+        "default": dict(n_layer=6, n_embd=128, n_head=4, batch_size=8, seq_len=128),
+        "tiny": dict(n_layer=2, n_embd=32, n_head=2, batch_size=2, seq_len=32),
+    }
+}
 
 
 def workload(
@@ -24,17 +34,10 @@ def workload(
       batch_size, seq_len: the batch is int32 token ids of shape (batch_size, seq_len).
 
     Raises:
-      ImportError: transformers is not installed (`pip install "jremat[models]"`).
+      ImportError: transformers 4.x is not installed (`pip install "jremat[zoo]"`).
     """
-    try:
-        import transformers
-        from transformers import FlaxGPT2LMHeadModel, GPT2Config
-    except ImportError as e:  # pragma: no cover - depends on the environment
-        raise ImportError(
-            'the gpt2 workload needs Hugging Face transformers<5: pip install "jremat[models]"'
-        ) from e
-    transformers.logging.set_verbosity_error()
-    config = GPT2Config(
+    tf = transformers_module("gpt2")
+    config = tf.GPT2Config(
         vocab_size=257,
         n_positions=seq_len,
         n_embd=n_embd,
@@ -44,18 +47,16 @@ def workload(
         embd_pdrop=0.0,
         attn_pdrop=0.0,
     )
-    model = FlaxGPT2LMHeadModel(config, seed=0, _do_init=True)
+    model = tf.FlaxGPT2LMHeadModel(config, _do_init=False)
     batch = jnp.asarray(data.batches(batch_size, seq_len, seed=0))
 
     def loss(params, tokens):
-        logits = model(tokens, params=params, train=False).logits
-        logp = jax.nn.log_softmax(logits[:, :-1].astype(jnp.float32))
-        return -jnp.take_along_axis(logp, tokens[:, 1:, None], axis=-1).mean()
+        return next_token_loss(model(tokens, params=params, train=False).logits, tokens)
 
     return Workload(
         "gpt2",
         loss,
-        model.params,
+        init_hf(model),
         batch,
         f"HF Flax GPT-2, {n_layer} layers, d={n_embd}, batch {batch_size}x{seq_len} bytes of text",
     )

@@ -1,4 +1,4 @@
-"""Plain-JAX workloads (no extra packages): a residual MLP chain and a small U-Net.
+"""Plain-JAX workloads (no extra packages): a residual MLP chain and a U-Net-like conv net.
 
 Both are written with `jax.named_scope` per layer so that jremat finds their layer boundaries
 from the jaxpr's name stack, as it does for Flax models.
@@ -6,15 +6,29 @@ from the jaxpr's name stack, as it does for Flax models.
 
 from __future__ import annotations
 
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 
-from . import Workload
+from . import Workload, init_key
+
+#: Size presets: keyword arguments of each builder.
+SIZES: dict[str, dict[str, dict[str, Any]]] = {
+    "mlp": {
+        "default": dict(depth=12, width=512, batch_size=256),
+        "tiny": dict(depth=4, width=32, batch_size=64),
+    },
+    "unet_plain": {
+        "default": dict(depth=3, channels=16, size=32, batch_size=8),
+        "tiny": dict(depth=2, channels=4, size=16, batch_size=2),
+    },
+}
 
 
 def mlp_workload(depth: int = 12, width: int = 512, batch_size: int = 256) -> Workload:
     """A residual MLP chain: x <- x + W2 gelu(W1 layernorm(x)), `depth` layers, f32."""
-    keys = jax.random.split(jax.random.PRNGKey(0), depth + 1)
+    keys = jax.random.split(init_key(0), depth + 1)
     params = [
         {
             "w1": jax.random.normal(k, (width, 2 * width)) / jnp.sqrt(width),
@@ -43,8 +57,12 @@ def _conv(x, w):
 def unet_workload(
     depth: int = 3, channels: int = 16, size: int = 32, batch_size: int = 8
 ) -> Workload:
-    """A U-Net-like conv net: `depth` down blocks, up blocks joined by long skip connections."""
-    key = jax.random.PRNGKey(1)
+    """A U-Net-like conv net: `depth` down blocks, up blocks joined by long skip connections.
+
+    One 3x3 conv per level and nearest-neighbour upsampling: cheaper than the U-Net of
+    Ronneberger et al. (2015), which is the `unet` workload (`jremat.models.unet`).
+    """
+    key = init_key(1)
     params = {"down": [], "up": []}
     c = 3
     for i in range(depth):
@@ -80,5 +98,9 @@ def unet_workload(
         return jnp.mean((out - x) ** 2)
 
     return Workload(
-        "unet", loss, params, x, f"U-Net, depth {depth}, {channels} channels, {size}x{size}"
+        "unet_plain",
+        loss,
+        params,
+        x,
+        f"U-Net-like conv net, depth {depth}, {channels} channels, {size}x{size}",
     )

@@ -1,0 +1,120 @@
+"""`jremat compare` on the command line, run in-process through `jremat.cli.main`.
+
+One real run (the tiny MLP, JSON and a plot); the output formats and exit codes are checked
+against a canned comparison so that nothing else compiles.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+
+import pytest
+
+from jremat import cli, comparison
+from jremat.comparison import Comparison, Row
+
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+
+
+def test_compare_json_and_plot_on_a_tiny_model(tmp_path, capsys):
+    png = tmp_path / "pareto.png"
+    argv = ["compare", "--model", "mlp", "--size", "tiny", "--budgets", "0.5"]
+    code = cli.main(argv + ["--format", "json", "--plot", str(png)])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    rows = json.loads(out)  # stdout holds the JSON and nothing else
+    assert [r["policy"] for r in rows][0] == "no remat"
+    assert {r["budget"] for r in rows} == {None, 0.5}
+    assert all(r["status"] == "ok" and r["temp_bytes"] > 0 for r in rows)
+    assert png.read_bytes()[:8] == PNG_SIGNATURE and png.stat().st_size > 20_000
+    assert "plot written" in err
+
+
+@pytest.fixture
+def canned(monkeypatch):
+    """`compare` replaced by a canned result; records the keywords it was called with."""
+    calls = []
+    rows = [
+        Row("no remat", None, 2**21, 2**22, 1e9, 0.0, 0.0, 1.5),
+        Row("nothing_saveable per layer", None, 2**19, 2**21, 1.3e9, 30.0, 1e-8, 1.2),
+        Row("jremat auto", 0.5, 2**20, 2**21, 1.1e9, 10.0, 2e-8, 0.9, None, 3.0, 2**20),
+    ]
+
+    def fake(fn, *args, **kw):
+        calls.append(kw)
+        return Comparison(rows, kw.get("description", ""), 2**21)
+
+    monkeypatch.setattr(comparison, "compare", fake)
+    return calls
+
+
+def _run(argv, capsys):
+    code = cli.main(["compare", "--model", "mlp", "--size", "tiny"] + argv)
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_markdown_is_the_default(canned, capsys):
+    code, out, _ = _run(["--budgets", "0.5,64MiB,1000000"], capsys)
+    assert code == 0
+    assert out.startswith("# jremat compare: residual MLP")
+    assert "| policy | budget | temp MiB |" in out and "| jremat auto | 0.5 |" in out
+    assert canned[0]["budgets"] == [0.5, "64MiB", 1000000]
+    assert canned[0]["policies"] is None
+
+
+def test_json_flag_and_csv_format(canned, capsys):
+    code, out, _ = _run(["--json"], capsys)
+    assert code == 0 and [r["policy"] for r in json.loads(out)][-1] == "jremat auto"
+    code, out, _ = _run(["--format", "csv", "--policies", "full_remat,dots_saveable"], capsys)
+    assert code == 0
+    recs = list(csv.DictReader(io.StringIO(out)))
+    assert [r["budget"] for r in recs] == ["", "", "0.5"]
+    assert Comparison.from_csv(out).rows[2].temp_bytes == 2**20
+    assert canned[-1]["policies"] == ["full_remat", "dots_saveable"]
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--budgets", "2.0"], "budget=2.0"),
+        (["--policies", "nope"], "policies[0]='nope'"),
+        (["--model", "nope"], "invalid choice"),
+        (["--runs", "-1"], "--runs must be >= 0"),
+        (["--json", "--format", "csv"], "not allowed with"),
+        (["--plot", "/no/such/folder/p.png"], "does not exist"),
+        (["--solvers", "chain,magic"], "--solvers: 'magic': accepted planners: auto"),
+    ],
+)
+def test_bad_arguments_exit_2(canned, capsys, argv, message):
+    code, out, err = _run(argv, capsys)
+    assert code == 2 and message in err and out == ""
+    assert canned == []  # nothing was compiled
+
+
+def test_failure_exits_1(monkeypatch, capsys):
+    def boom(*args, **kw):
+        raise RuntimeError("XLA fell over")
+
+    monkeypatch.setattr(comparison, "compare", boom)
+    code, out, err = _run([], capsys)
+    assert code == 1 and "RuntimeError: XLA fell over" in err and out == ""
+
+
+def test_stdout_carries_only_the_json(monkeypatch, capfd):
+    """Anything printed while comparing (a native solver's banner on file descriptor 1, a
+    Python print) goes to stderr, so that `--format json` output parses."""
+    import os
+
+    def noisy(fn, *args, **kw):
+        os.write(1, b"Running HiGHS 1.x: a banner on fd 1\n")
+        print("a Python print")
+        return Comparison([Row("no remat", None, 10, 20, 1.0, 0.0, 0.0, 0.1)])
+
+    monkeypatch.setattr(comparison, "compare", noisy)
+    code = cli.main(["compare", "--model", "mlp", "--size", "tiny", "--json"])
+    out, err = capfd.readouterr()
+    assert code == 0 and json.loads(out)[0]["temp_bytes"] == 10
+    assert "banner on fd 1" in err and "a Python print" in err
