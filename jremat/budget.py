@@ -16,6 +16,8 @@ import math
 import re
 from typing import Any
 
+import numpy as np
+
 ACCEPTED = (
     "a float in (0, 1] (fraction of the unrematerialized temp bytes), an int > 0 (footprint "
     'bytes), a string such as "512MiB" or "8GB", or "auto" (free device memory)'
@@ -79,7 +81,7 @@ def parse_budget(budget: Any) -> Budget:
     """
     if isinstance(budget, Budget):
         return budget
-    if isinstance(budget, bool) or budget is None:
+    if isinstance(budget, (bool, np.bool_)) or budget is None:
         raise _bad(budget, "expected a number or a string")
     if isinstance(budget, str):
         if budget.strip().lower() == "auto":
@@ -87,10 +89,12 @@ def parse_budget(budget: Any) -> Budget:
         m = _PATTERN.match(budget)
         if not m or m.group(2).lower() not in _UNITS:
             raise _bad(budget, "could not read a size with a unit from the string")
-        value = float(m.group(1)) * _UNITS[m.group(2).lower()]
-        if value <= 0:
-            raise _bad(budget, "it must be positive")
-        return Budget(budget, footprint_bytes=int(value))
+        value = int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+        if value < 1:
+            raise _bad(
+                budget, "a size must be at least 1 byte (a fraction is a float, not a string)"
+            )
+        return Budget(budget, footprint_bytes=value)
     if isinstance(budget, int) or (hasattr(budget, "dtype") and "int" in str(budget.dtype)):
         if int(budget) <= 0:
             raise _bad(budget, "it must be positive")

@@ -80,7 +80,7 @@ def measure(
     from .trace import _check_differentiable
 
     nums = normalize_argnums(argnums, len(args))
-    if not isinstance(runs, int) or runs < 0:
+    if not isinstance(runs, int) or isinstance(runs, bool) or runs < 0:
         raise ValueError(f"runs must be a non-negative int, got {runs!r}")
     _check_differentiable(args, nums)
     _check_scalar_output(fn, args)

@@ -185,7 +185,7 @@ def plan(
         and verified the same way.
       argnums: differentiated arguments, as in `jax.grad`.
       verify: compile plans and keep only one whose compiled temp bytes meet the budget
-        (recommended). With False the uncalibrated cost model decides and nothing is compiled
+        (recommended). With False the cost model (scaled to the baseline) decides; nothing is compiled
         but the baseline; the plan may then miss the budget.
       max_rounds: how many plans verification may compile before settling.
       max_cuts: cut candidates the DP considers.
@@ -229,8 +229,13 @@ def solve(
     min_plan = planner.min_memory_plan()
     model_min, model_none = min_plan.predicted_temp_bytes, planner.no_remat_peak()
     if not verify:
-        chosen = planner.plan(target) or _raise_model_infeasible(spec, prog, model_min)
-        chosen.notes.append("verify=False: chosen by the uncalibrated cost model")
+        # the model's bytes scaled so that the unrematerialized program maps onto its compiled
+        # temp bytes (the only compiled figure verify=False has)
+        model_target = target * model_none / max(base.temp_bytes, 1)
+        chosen = planner.plan(model_target) or _raise_model_infeasible(
+            spec, prog, model_min, model_none
+        )
+        chosen.notes.append("verify=False: chosen by the cost model, scaled to the baseline")
         return _finish(chosen, meta, solver, prog.graph)
     anchors = prog.anchors(planner)  # compiled: DP min-memory plan, per-layer and sqrt(n) remat
     fitting = [(c.flops, p, c) for p, c in anchors if c.temp_bytes <= target]
@@ -325,15 +330,18 @@ def _finish(p: Plan, meta: dict, solver: str, graph: Graph) -> Plan:
     return p
 
 
-def _raise_model_infeasible(spec: Budget, prog: Program, model_min: float):
+def _raise_model_infeasible(spec: Budget, prog: Program, model_min: float, model_none: float):
     base = prog.baseline
-    smallest = spec.in_caller_unit(int(model_min), base.temp_bytes, base.fixed_bytes)
+    # the model's bytes, scaled to compiled bytes through the unrematerialized program; the
+    # unchanged program (1.0) is always reachable, so the estimate never exceeds it
+    estimate = min(model_min / max(model_none, 1.0), 1.0) * base.temp_bytes
+    smallest = spec.in_caller_unit(int(estimate), base.temp_bytes, base.fixed_bytes)
     raise InfeasibleBudgetError(
         f"budget={spec.raw!r} is below the smallest the cost model reaches "
         f"({spec.describe(smallest)}; verify=False, so this is the model's estimate)",
         budget=spec.raw,
         smallest_reachable=smallest,
-        smallest_reachable_bytes=int(model_min),
+        smallest_reachable_bytes=int(estimate),
     )
 
 

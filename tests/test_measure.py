@@ -1,0 +1,134 @@
+"""`jremat.measure`: XLA's memory and FLOP figures for one `jit(value_and_grad(fn))` step."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import models as M
+import numpy as np
+import pytest
+
+import jremat
+from jremat.measure import compile_step, xla_flops
+
+
+def _nbytes(tree) -> int:
+    return sum(
+        int(np.prod(x.shape)) * np.dtype(x.dtype).itemsize for x in jax.tree_util.tree_leaves(tree)
+    )
+
+
+def test_footprint_is_argument_plus_output_minus_alias_plus_temp(cache):
+    m = cache.model("mlp_chain")
+    r = cache.baseline("mlp_chain")
+    assert r.footprint_bytes == r.argument_bytes + r.output_bytes - r.alias_bytes + r.temp_bytes
+    # the terms are the compiled program's: params + x in; loss + param grads out; no donation
+    params, x = m.args
+    assert r.argument_bytes == _nbytes(params) + _nbytes(x)
+    # outputs: the loss and the gradients, plus XLA's output tuple table (a pointer per leaf)
+    n_out = 1 + len(jax.tree_util.tree_leaves(params))
+    assert 4 + _nbytes(params) <= r.output_bytes <= 4 + _nbytes(params) + 8 * n_out
+    assert r.alias_bytes == 0
+    mem = jax.jit(jax.value_and_grad(m.loss)).lower(*m.args).compile().memory_analysis()
+    assert r.temp_bytes == mem.temp_size_in_bytes > 0
+    # activations dominate the temp bytes of this model (so budgets below 1.0 are reachable)
+    assert r.temp_bytes > 4 * _nbytes(params)
+    assert r.flops > 0 and r.compile_seconds > 0 and r.step_seconds is None
+
+
+def test_footprint_with_tuple_argnums_and_abstract_args(cache):
+    m = cache.model("mlp_chain")
+    params, x = m.args
+    r = jremat.measure(m.loss, *m.args, argnums=(0, 1))
+    n_out = 2 + len(jax.tree_util.tree_leaves(params))
+    out = 4 + _nbytes(params) + _nbytes(x)  # the grad of x is returned too
+    assert out <= r.output_bytes <= out + 8 * n_out
+    assert r.footprint_bytes == r.argument_bytes + r.output_bytes - r.alias_bytes + r.temp_bytes
+    # shapes and dtypes suffice (no arrays) when nothing is run
+    avals = jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), m.args)
+    ra = jremat.measure(m.loss, *avals)
+    rb = cache.baseline("mlp_chain")
+    assert (ra.temp_bytes, ra.footprint_bytes, ra.flops) == (
+        rb.temp_bytes,
+        rb.footprint_bytes,
+        rb.flops,
+    )
+
+
+@pytest.mark.parametrize(
+    "depth, argnums, tol",
+    [
+        (8, 0, 0.05),
+        # differentiating the input too, scan and unrolled run the same arithmetic (when x is
+        # not differentiated, the unrolled program skips the first layer's input gradient)
+        (4, (0, 1), 0.01),
+    ],
+)
+def test_scan_flops_match_the_unrolled_model(depth, argnums, tol):
+    scan, unrolled = M.scan_layers(depth=depth), M.scan_layers(depth=depth, unroll=True)
+    rs = jremat.measure(scan.loss, *scan.args, argnums=argnums)
+    ru = jremat.measure(unrolled.loss, *unrolled.args, argnums=argnums)
+    assert rs.flops == pytest.approx(ru.flops, rel=tol)
+    # XLA alone counts the scan body once: measure multiplies it by the trip count
+    raw = xla_flops(compile_step(scan.loss, scan.args, (0,) if argnums == 0 else argnums))
+    assert rs.flops > 0.8 * depth * (raw / 2)
+    assert rs.flops > 2 * raw
+
+
+def test_nested_scan_flops_match_the_unrolled_model():
+    scan, unrolled = M.scan_layers(depth=4), M.scan_layers(depth=4, unroll=True)
+    params, x = scan.args
+
+    def layer(x, p):
+        return x + jnp.tanh(M._rmsnorm(x) @ p["w1"]) @ p["w2"]
+
+    def nested(params, x):  # an outer scan of 2 over inner scans of 2 layers
+        pp = jax.tree_util.tree_map(lambda a: a.reshape(2, 2, *a.shape[1:]), params)
+
+        def outer(c, p_outer):
+            return jax.lax.scan(lambda c, p: (layer(c, p), None), c, p_outer)[0], None
+
+        return jnp.mean(jax.lax.scan(outer, x, pp)[0] ** 2)
+
+    np.testing.assert_allclose(nested(params, x), unrolled.loss(params, x), rtol=1e-5)
+    rn = jremat.measure(nested, params, x, argnums=(0, 1))
+    ru = jremat.measure(unrolled.loss, params, x, argnums=(0, 1))
+    assert rn.flops == pytest.approx(ru.flops, rel=0.01)
+
+
+def test_flops_count_the_matmuls(cache):
+    """value_and_grad of the MLP: each matmul runs once forward and twice backward (x's
+    gradient is skipped in the first layer only); XLA's count is at least that."""
+    m = cache.model("mlp_chain")
+    params, x = m.args
+    b = x.shape[0]
+    fwd = sum(2 * b * p["w1"].shape[0] * p["w1"].shape[1] * 2 for p in params)
+    r = cache.baseline("mlp_chain")
+    assert 2.8 * fwd <= r.flops <= 4.0 * fwd
+
+
+def test_runs_gives_step_seconds(cache):
+    m = cache.model("mlp_chain")
+    r = jremat.measure(m.loss, *m.args, runs=2)
+    assert r.step_seconds is not None and r.step_seconds > 0
+    assert r.temp_bytes == cache.baseline("mlp_chain").temp_bytes
+
+
+@pytest.mark.parametrize("runs", [-1, 1.5, "2"])
+def test_bad_runs_is_a_value_error(cache, runs):
+    m = cache.model("mlp_chain")
+    with pytest.raises(ValueError, match="runs"):
+        jremat.measure(m.loss, *m.args, runs=runs)
+
+
+def test_measure_of_a_rematerialized_function(cache):
+    """measure works on rematerialized functions: less temp, more FLOPs."""
+    from jremat.planning import recipe_plan
+
+    m = cache.model("mlp_chain")
+    p = recipe_plan(jremat.trace(m.loss, *m.args), "nothing_saveable", "layers")
+    r = jremat.measure(jremat.rematerialize(m.loss, p), *m.args)
+    base = cache.baseline("mlp_chain")
+    assert r.temp_bytes < base.temp_bytes
+    assert r.flops > base.flops
+    assert (r.argument_bytes, r.output_bytes) == (base.argument_bytes, base.output_bytes)

@@ -1,0 +1,206 @@
+"""`jremat.rematerialize`: gradients under a plan equal the unrematerialized gradients.
+
+Each model is tested with a plan from the planner (`jremat.plan` at budget 0.5, or the first
+of 0.3, 0.7, 0.9 it plans something for; see `models.reachable_plan`) and with a hand-made plan
+(built directly from the traced graph), so the rewrite is checked independently of the planner.
+Where jax has `jax_remat3`, every gradient test runs with it off and on.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import models as M
+import numpy as np
+import pytest
+from conftest import HAS_REMAT3
+from models import (
+    BF16_RTOL,
+    F32_RTOL,
+    assert_trees_close,
+    layer_spans,
+    names_plan,
+    reachable_plan,
+    single_node_plan,
+    tile_plan,
+)
+
+import jremat
+from jremat.plan import SAVE_NAMES, Plan
+from jremat.planning import recipe_plan
+
+#: model -> how to build its hand-made plan from the traced graph. Together these cover every
+#: kind of segment the rewrite supports: "nothing_saveable", "names" with and without saved
+#: values, built-in policy names, a preset name, per layer and sqrt(n) groups.
+HAND_PLANS = {
+    "mlp_chain": lambda g: recipe_plan(g, "nothing_saveable", "layers"),
+    "decoder": names_plan,
+    "unet": lambda g: recipe_plan(g, "dots_saveable", "layers"),
+    "scan": lambda g: single_node_plan(g, "scan", "nothing_saveable"),
+    "cond": lambda g: recipe_plan(g, "nothing_saveable", "sqrt_n"),
+    "custom_vjp": lambda g: recipe_plan(g, "save_expensive", "layers"),  # a preset name
+    "dropout": lambda g: tile_plan(g, [(s, e, SAVE_NAMES, []) for s, e in layer_spans(g)]),
+    "bf16": lambda g: recipe_plan(g, "dots_with_no_batch_dims_saveable", "layers"),
+}
+GRAD_MODELS = list(HAND_PLANS)
+
+
+def hand_plan(cache, name: str) -> Plan:
+    m = cache.model(name)
+    return HAND_PLANS[name](jremat.trace(m.loss, *m.args))
+
+
+# -- gradients equal the unrematerialized ones -------------------------------------------------
+@pytest.mark.parametrize("kind", ["planned", "hand"])
+@pytest.mark.parametrize("name", GRAD_MODELS)
+def test_gradients_match(cache, name, kind, remat3):
+    m = cache.model(name)
+    plan = reachable_plan(cache, name) if kind == "planned" else hand_plan(cache, name)
+    if not (kind == "planned" and name == "scan"):
+        # (the planner cannot cut inside a scan: that model is one scan node, planned as is)
+        assert not plan.is_identity
+    f = jremat.rematerialize(m.loss, plan)
+    got = jax.jit(jax.grad(f))(*m.args)
+    want = cache.ref_grads(name)  # the same computation (f32, or bf16 for "bf16"), no remat
+    assert_trees_close(got, want, BF16_RTOL if name == "bf16" else F32_RTOL)
+
+
+def test_plans_checkpoint_what_they_say(cache):
+    """The rewrite really inserts checkpoints: the rematerialized program's jaxpr holds one
+    checkpoint (remat) region or tied custom_vjp per checkpointed segment of the plan."""
+    m = cache.model("mlp_chain")
+    plan = hand_plan(cache, "mlp_chain")
+    n_ckpt = sum(s.checkpointed for s in plan.segments)
+    assert n_ckpt == 10  # one per layer
+    jaxpr = jax.make_jaxpr(jremat.rematerialize(m.loss, plan))(*m.args)
+    prims = [e.primitive.name for e in jaxpr.jaxpr.eqns]
+    regions = sum(
+        p in ("checkpoint", "remat", "remat2", "custom_vjp_call", "custom_vjp_call_jaxpr")
+        for p in prims
+    )
+    assert regions == n_ckpt, prims
+
+
+def test_bf16_gradients_are_bf16_and_close_to_f32(cache):
+    """The bf16 comparison is meaningful: remat grads stay bf16 and near the f32 result."""
+    m = cache.model("bf16")
+    got = jax.jit(jax.grad(jremat.rematerialize(m.loss, hand_plan(cache, "bf16"))))(*m.args)
+    assert all(g.dtype == jnp.bfloat16 for g in jax.tree_util.tree_leaves(got))
+    f32_args = jax.tree_util.tree_map(lambda a: a.astype(jnp.float32), m.args)
+    f32 = jax.jit(jax.grad(m.loss))(*f32_args)
+    # bf16 rounding of 4 residual layers: a few percent of each leaf's scale
+    for g, w in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(f32), strict=True):
+        w = np.asarray(w)
+        assert np.max(np.abs(np.asarray(g, np.float32) - w)) <= 0.1 * np.max(np.abs(w))
+
+
+@pytest.mark.parametrize("key_kind", ["raw_uint32", "typed"])
+def test_dropout_masks_are_recomputed_identically(cache, key_kind, remat3):
+    """Recomputed dropout reproduces the forward mask: grads match for several keys, and they
+    differ between keys (so the mask does matter)."""
+    m = cache.model("dropout")
+    params, x, _ = m.args
+    mk = jax.random.PRNGKey if key_kind == "raw_uint32" else jax.random.key
+    k1, k2 = mk(1), mk(2)
+    plan = HAND_PLANS["dropout"](jremat.trace(m.loss, params, x, k1))  # keys change the jaxpr
+    f = jax.jit(jax.grad(jremat.rematerialize(m.loss, plan)))
+    ref = jax.jit(jax.grad(m.loss))
+    g1, g2 = f(params, x, k1), f(params, x, k2)
+    assert_trees_close(g1, ref(params, x, k1), F32_RTOL)
+    assert_trees_close(g2, ref(params, x, k2), F32_RTOL)
+    assert not np.allclose(g1[0]["w1"], g2[0]["w1"])
+
+
+# -- composition with jit, grad, value_and_grad, vmap ----------------------------------------
+def test_value_and_grad_and_jit(cache, remat3):
+    m = cache.model("mlp_chain")
+    f = jremat.rematerialize(m.loss, reachable_plan(cache, "mlp_chain"))
+    v, g = jax.jit(jax.value_and_grad(f))(*m.args)
+    v0, g0 = jax.value_and_grad(m.loss)(*m.args)
+    np.testing.assert_allclose(v, v0, rtol=F32_RTOL)
+    assert_trees_close(g, g0, F32_RTOL)
+    # forward alone, jitted and eager; grad of the jitted function
+    np.testing.assert_allclose(jax.jit(f)(*m.args), v0, rtol=F32_RTOL)
+    np.testing.assert_allclose(f(*m.args), v0, rtol=F32_RTOL)
+    assert_trees_close(jax.grad(jax.jit(f))(*m.args), g0, F32_RTOL)
+
+
+def test_vmap_over_per_example_loss(remat3):
+    loss, params, xs = M.per_example_mlp()
+    graph = jremat.trace(loss, params, xs[0])
+    plan = recipe_plan(graph, "nothing_saveable", "layers")
+    assert sum(s.checkpointed for s in plan.segments) == 3
+    f = jremat.rematerialize(loss, plan)
+    per_ex = jax.jit(jax.vmap(jax.grad(f), in_axes=(None, 0)))(params, xs)
+    want = jax.jit(jax.vmap(jax.grad(loss), in_axes=(None, 0)))(params, xs)
+    assert jax.tree_util.tree_leaves(per_ex)[0].shape[0] == xs.shape[0]
+    assert_trees_close(per_ex, want, F32_RTOL)
+    # and the grad of a vmapped mean (vmap inside grad), with its value
+    mean_f = lambda p, x: jax.vmap(f, in_axes=(None, 0))(p, x).mean()
+    mean_l = lambda p, x: jax.vmap(loss, in_axes=(None, 0))(p, x).mean()
+    (v, g), (v0, g0) = (jax.jit(jax.value_and_grad(h))(params, xs) for h in (mean_f, mean_l))
+    np.testing.assert_allclose(v, v0, rtol=F32_RTOL)
+    assert_trees_close(g, g0, F32_RTOL)
+
+
+def test_pytree_outputs_and_has_aux(cache):
+    """Same signature and pytrees: a (loss, aux-dict) function works with has_aux."""
+    m = cache.model("mlp_chain")
+
+    def loss_aux(params, x):
+        loss = m.loss(params, x)
+        return loss, {"loss2": 2.0 * loss, "n": jnp.asarray(x.shape[0])}
+
+    plan = recipe_plan(jremat.trace(loss_aux, *m.args), "nothing_saveable", "layers")
+    f = jremat.rematerialize(loss_aux, plan)
+    (v, aux), g = jax.jit(jax.value_and_grad(f, has_aux=True))(*m.args)
+    (v0, aux0), g0 = jax.value_and_grad(loss_aux, has_aux=True)(*m.args)
+    assert set(aux) == {"loss2", "n"} and int(aux["n"]) == m.args[1].shape[0]
+    np.testing.assert_allclose(aux["loss2"], aux0["loss2"], rtol=F32_RTOL)
+    assert_trees_close(g, g0, F32_RTOL)
+    assert f.__name__ == loss_aux.__name__  # functools.wraps
+
+
+def test_captured_constants_and_argnums_1(remat3):
+    """A function closing over an array (a jaxpr constant) and differentiated in argument 1."""
+    w_fixed = jax.random.normal(jax.random.PRNGKey(9), (16, 16)) / 4.0
+
+    def loss(x, params):
+        for i, w in enumerate(params):
+            with jax.named_scope(f"layer_{i}"):
+                x = x + jnp.tanh(x @ w) @ w_fixed
+        return jnp.mean(x**2)
+
+    params = [jax.random.normal(jax.random.PRNGKey(i), (16, 16)) / 4.0 for i in range(3)]
+    x = jax.random.normal(jax.random.PRNGKey(5), (64, 16))
+    plan = recipe_plan(jremat.trace(loss, x, params, argnums=1), "nothing_saveable", "layers")
+    assert sum(s.checkpointed for s in plan.segments) == 3
+    f = jremat.rematerialize(loss, plan)
+    assert_trees_close(
+        jax.jit(jax.grad(f, argnums=1))(x, params), jax.grad(loss, argnums=1)(x, params), F32_RTOL
+    )
+    # and with respect to both arguments
+    assert_trees_close(
+        jax.jit(jax.grad(f, argnums=(0, 1)))(x, params),
+        jax.grad(loss, argnums=(0, 1))(x, params),
+        F32_RTOL,
+    )
+
+
+def test_prevent_cse_false_is_still_exact(cache):
+    m = cache.model("decoder")
+    f = jremat.rematerialize(m.loss, hand_plan(cache, "decoder"), prevent_cse=False)
+    assert_trees_close(jax.jit(jax.grad(f))(*m.args), cache.ref_grads("decoder"), F32_RTOL)
+
+
+def test_rematerialize_rejects_non_plans(cache):
+    m = cache.model("mlp_chain")
+    with pytest.raises(TypeError, match="jremat.Plan"):
+        jremat.rematerialize(m.loss, {"segments": []})
+    with pytest.raises(TypeError, match="jremat.Plan"):
+        jremat.rematerialize(m.loss, reachable_plan(cache, "mlp_chain").to_json())
+
+
+@pytest.mark.skipif(not HAS_REMAT3, reason="this jax has no jax_remat3 flag")
+def test_remat3_fixture_sets_the_flag(remat3):
+    assert jax.config.values["jax_remat3"] is remat3
