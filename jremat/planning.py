@@ -185,8 +185,8 @@ def plan(
         and verified the same way.
       argnums: differentiated arguments, as in `jax.grad`.
       verify: compile plans and keep only one whose compiled temp bytes meet the budget
-        (recommended). With False the cost model (scaled to the baseline) decides; nothing is compiled
-        but the baseline; the plan may then miss the budget.
+        (recommended). With False the cost model (scaled to the baseline) decides and only
+        the baseline is compiled; the plan may then miss the budget.
       max_rounds: how many plans verification may compile before settling.
       max_cuts: cut candidates the DP considers.
 
