@@ -9,6 +9,7 @@ from .budget import parse_budget
 from .comparison import Comparison, compare
 from .decorator import auto
 from .errors import InfeasibleBudgetError, PlanMismatchError
+from .explain import ExplainRow, Explanation, explain
 from .measure import Measurement, measure
 from .microbatching import microbatch
 from .plan import Plan, Segment
@@ -21,6 +22,8 @@ __version__ = "0.1.0"
 
 __all__ = [
     "Comparison",
+    "ExplainRow",
+    "Explanation",
     "Graph",
     "InfeasibleBudgetError",
     "Measurement",
@@ -31,6 +34,7 @@ __all__ = [
     "accumulate",
     "auto",
     "compare",
+    "explain",
     "has_updated",
     "measure",
     "microbatch",

@@ -1,93 +1,235 @@
-"""`jremat.auto`: plan on first call per argument signature, then run the rematerialized fn."""
+"""`jremat.auto`: plan on first call per argument signature, then run the rematerialized fn.
+
+One decorator for three kinds of target, told apart without importing Flax (a Flax class or
+module can only reach here when Flax is already imported):
+
+* a function returning a scalar loss: planned and rewritten as a whole (`jremat.plan`);
+* a Flax linen Module class, or a linen method (a function whose first argument, at call time,
+  is a linen Module): a lifted transform like `nn.remat` (`jremat.flax_linen`);
+* an `nnx.Module` class, or a function called with NNX modules among its arguments: run
+  through NNX's functional API (split, trace, planned evaluation, update; `jremat.flax_nnx`
+  says why not inside `nnx.remat`).
+
+Flax blocks are planned per call signature as functions of their variables and inputs; see
+`jremat.plan_cache` for how, and what a budget means for a block.
+"""
 
 from __future__ import annotations
 
 import functools
+import inspect
+import os
+import sys
 import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
 from .budget import parse_budget
-from .planning import SOLVERS, abstract_args, plan
+from .plan_cache import PlanCache
+from .planning import SOLVERS, abstract_args
 from .rewrite import rematerialize
-from .trace import signature
+from .trace import build_graph, signature
 
 
 def auto(
-    fn: Callable[..., Any] | None = None,
+    fn: Any = None,
     *,
     budget: Any = 0.5,
-    solver: str = "chain",
+    solver: str | None = None,
     argnums: int | Sequence[int] = 0,
     verify: bool = True,
     prevent_cse: bool = True,
     max_rounds: int = 4,
+    static_argnums: int | Sequence[int] = (),
+    static_argnames: str | Sequence[str] = (),
+    methods: Any = None,
+    variables: Any = True,
+    rngs: Any = True,
+    plan_dir: str | os.PathLike | None = None,
 ) -> Any:
-    """Rematerialize `fn` automatically under a memory budget.
+    """Rematerialize a function or a Flax module automatically under a memory budget.
 
-    Works as `jremat.auto(fn, budget=...)`, `@jremat.auto(budget=...)` and `@jremat.auto`.
+    Works as `jremat.auto(target, budget=...)`, `@jremat.auto(budget=...)` and `@jremat.auto`.
     On the first call for each argument shape/dtype signature it plans (`jremat.plan`, which
-    compiles and verifies), then runs `jremat.rematerialize(fn, plan)`; later calls with the
-    same signature reuse the plan. It may be called inside `jit`/`grad`: planning uses the
-    arguments' shapes only.
+    compiles and verifies), then runs the rematerialized program; later calls with the same
+    signature reuse the plan, and a new batch size or sequence length plans again. It may be
+    called inside `jit`/`grad`/`nn.scan`/`nnx.scan`: planning uses the arguments' shapes only.
+
+    Targets:
+      * a function returning a scalar floating-point loss (positional array arguments);
+      * a linen `nn.Module` class (`jremat.auto(Block, budget=0.4)`, or as a class decorator)
+        or a linen method (`@jremat.auto(budget=0.4)` above `@nn.compact def __call__`): the
+        keywords of `nn.remat` apply. The result keeps the class name, so parameter paths are
+        those of the undecorated module (`Block_0`, not `CheckpointBlock_0`);
+      * an `nnx.Module` class, or a function taking NNX modules: the keywords of `nnx.remat`
+        apply; RNG streams and batch-norm state advance exactly as without remat.
+    A Flax block is planned as the function (variables, inputs) -> outputs, and its budget
+    bounds what the block *keeps from its forward to its backward pass* (what accumulates over
+    a stack of blocks), measured on compiled programs: a fraction is of the unrematerialized
+    block's kept bytes, bytes cap them (see `jremat.plan_cache`). `init` is never planned.
 
     Args:
-      fn: a function returning a scalar floating-point loss.
+      fn: the target (above); None to get a decorator.
       budget: a float in (0, 1] (fraction of the unrematerialized compiled temp bytes), an int
-        (footprint bytes), a string such as "512MiB", or "auto". Default 0.5.
-      solver: the planner ("chain").
-      argnums: the differentiated arguments, as in `jax.grad` (default 0).
-      verify: compile and check each plan against the budget (default True).
-      prevent_cse: passed to `jax.checkpoint` (keep True outside `lax.scan`).
+        (footprint bytes), a string such as "512MiB", or "auto": the device's free memory
+        (`memory_stats()` on GPU/TPU, the host's available memory from psutil on CPU), read
+        when a signature is first planned. Default 0.5.
+      solver: the planner (see `jremat.plan`); None (default) uses `jremat.plan`'s default.
+      argnums: the differentiated arguments of a plain loss function, as in `jax.grad`
+        (default 0). Flax blocks differentiate all their float variables and inputs.
+      verify: compile and check each plan against the budget (default True). With False,
+        nothing is compiled for a Flax block: below budget 1 it gets the one checkpoint that
+        keeps only its inputs (as `nn.remat`); a loss function gets the cost model's plan.
+      prevent_cse: passed to `jax.checkpoint` (keep True outside scans; False inside
+        `nn.scan`/`nnx.scan` bodies, as for `nn.remat`).
       max_rounds: compiles verification may spend per signature.
+      static_argnums: Flax targets: positions of static (hashable, specialised-on) arguments,
+        counted as `nn.remat`/`nnx.remat` count them: for a module or method, `self` is 0.
+      static_argnames: Flax targets: names of static arguments (honoured, unlike in
+        `jax.checkpoint`, which ignores them; names and positions complete each other).
+      methods: linen/NNX classes: the methods to transform (default `["__call__"]`).
+      variables, rngs: linen: the variable collections and PRNG sequences lifted (as
+        `nn.remat`; default all).
+      plan_dir: a folder for saved plans: each plan is written there as JSON, keyed by a
+        stable hash of the signature, budget and program fingerprint, and loaded instead of
+        solved when a later run meets the same key (see `jremat.plan_cache.PlanCache`).
 
     Returns:
-      The wrapped function; `wrapper.plans` maps signatures to their `Plan`.
+      For a function, the wrapped function: `wrapper.plans` maps signatures to their `Plan`
+      (plain loss functions) and `wrapper.plan_cache` is its `PlanCache`. For a Module class,
+      a subclass of the same name with `plan_cache` as a class attribute.
 
     Raises:
-      ValueError: an invalid budget or solver, at decoration time.
+      TypeError: the target is neither a function nor a Flax Module class (a Module instance,
+        another class, a non-callable); for a linen instance the error is also Flax's
+        `TransformTargetError`, as with `nn.remat`.
+      ValueError: an invalid budget or solver; static_argnums out of range, naming `self`, or
+        naming a parameter that received an unhashable value (the message names the argument
+        and how `self` is counted).
       InfeasibleBudgetError: at the first call of a signature whose budget is unreachable.
     """
-    spec = parse_budget(budget)
-    if solver not in SOLVERS:
+    options = dict(
+        budget=budget,
+        solver=solver,
+        argnums=argnums,
+        verify=verify,
+        prevent_cse=prevent_cse,
+        max_rounds=max_rounds,
+        static_argnums=static_argnums,
+        static_argnames=static_argnames,
+        methods=methods,
+        variables=variables,
+        rngs=rngs,
+        plan_dir=plan_dir,
+    )
+    parse_budget(budget)
+    if solver is not None and solver not in SOLVERS:
         raise ValueError(f"solver={solver!r} is not known; accepted: {', '.join(SOLVERS)}")
     if fn is None:
-        return functools.partial(
-            auto,
-            budget=budget,
-            solver=solver,
-            argnums=argnums,
-            verify=verify,
-            prevent_cse=prevent_cse,
-            max_rounds=max_rounds,
-        )
-    if isinstance(fn, type) or not callable(fn):
+        return functools.partial(auto, **options)
+    kind = _target_kind(fn)
+    options["cache"] = PlanCache(
+        budget, solver=solver, verify=verify, max_rounds=max_rounds, plan_dir=plan_dir
+    )
+    if kind == "linen_class":
+        from .flax_linen import auto_linen_class
+
+        return auto_linen_class(fn, options)
+    if kind == "nnx_class":
+        from .flax_nnx import auto_nnx_class
+
+        return auto_nnx_class(fn, options)
+    return _auto_function(fn, options)
+
+
+def _target_kind(target: Any) -> str:
+    """'linen_class', 'nnx_class' or 'function'; TypeError for anything else."""
+    linen = sys.modules.get("flax.linen")
+    nnx = sys.modules.get("flax.nnx")
+    if linen is not None:
+        from .flax_linen import AutoTargetError, is_module, is_module_class
+
+        if is_module_class(target):
+            return "linen_class"
+        if is_module(target):
+            raise AutoTargetError(target)
+    if nnx is not None:
+        from .flax_nnx import is_module, is_module_class
+
+        if is_module_class(target):
+            return "nnx_class"
+        if is_module(target):
+            raise TypeError(
+                f"jremat.auto decorates an nnx.Module class or a function taking modules; got "
+                f"the module instance {type(target).__name__}(...). Decorate the class "
+                f"(jremat.auto({type(target).__name__}, budget=...)) or a function "
+                "(jremat.auto(lambda model, x: model(x), budget=...)), as with nnx.remat."
+            )
+    if isinstance(target, type):
         raise TypeError(
-            f"jremat.auto decorates a function that returns a scalar loss; got {fn!r}. Flax "
-            "Module classes are not supported by this version: wrap the loss that applies the "
-            "module instead, or use nn.remat with a policy from jremat.policies."
+            f"jremat.auto decorates a function, a Flax linen Module class or an nnx.Module "
+            f"class; got the class {target.__qualname__}, which is neither a linen nor an NNX "
+            "Module (is Flax imported, and does it subclass nn.Module / nnx.Module?)."
         )
+    if not callable(target):
+        raise TypeError(
+            "jremat.auto decorates a function, a Flax linen Module class or an nnx.Module "
+            f"class; got {type(target).__name__} {target!r}, which is not callable."
+        )
+    return "function"
+
+
+def _auto_function(fn: Callable[..., Any], options: dict[str, Any]) -> Callable[..., Any]:
+    cache: PlanCache = options["cache"]
     plans: dict[Any, Any] = {}
     runners: dict[Any, Callable[..., Any]] = {}
     lock = threading.Lock()
+    flax_state: dict[str, Any] = {}
 
     @functools.wraps(fn)
-    def wrapper(*args: Any) -> Any:
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        linen = sys.modules.get("flax.linen")
+        if linen is not None and args and isinstance(args[0], linen.Module):
+            from .flax_linen import linen_method_call
+
+            return linen_method_call(fn, options, flax_state)(*args, **kwargs)
+        if sys.modules.get("flax.nnx") is not None:
+            from .flax_nnx import has_graph_node, make_caller
+
+            if has_graph_node((args, kwargs)):
+                if "nnx" not in flax_state:
+                    flax_state["nnx"] = make_caller(fn, options, self_counted=_is_method(fn))
+                return flax_state["nnx"](*args, **kwargs)
+        if kwargs or options["static_argnums"] or options["static_argnames"]:
+            raise TypeError(
+                f"{getattr(fn, '__name__', 'fn')} is planned as a plain loss function of "
+                "positional array arguments (no linen or NNX module among its arguments), which "
+                "takes no keyword or static arguments; close over static values with "
+                "functools.partial."
+            )
         key = signature(args)
         with lock:
             if key not in runners:
-                p = plan(
-                    fn,
-                    *abstract_args(args),
-                    budget=spec,
-                    solver=solver,
-                    argnums=argnums,
-                    verify=verify,
-                    max_rounds=max_rounds,
-                )
+                avals = abstract_args(args)
+                graph = build_graph(fn, avals)
+                p = cache.get(graph, fn, avals, argnums=options["argnums"])
                 plans[key] = p
-                runners[key] = rematerialize(fn, p, prevent_cse=prevent_cse)
+                runners[key] = rematerialize(fn, p, prevent_cse=options["prevent_cse"])
         return runners[key](*args)
 
     wrapper.plans = plans  # type: ignore[attr-defined]
+    wrapper.plan_cache = cache  # type: ignore[attr-defined]
+    # As linen method, the lifted transform manages Module state itself (as `nn.remat`'s
+    # wrapper does): this marker keeps Flax from wrapping it a second time.
+    wrapper.method_handler_wrapped = True  # type: ignore[attr-defined]
     return wrapper
+
+
+def _is_method(fn: Callable[..., Any]) -> bool:
+    """Whether `fn` looks like a method (first parameter named `self`): positions then count
+    `self` as 0, as `nnx.remat` does on an unbound method."""
+    try:
+        params = list(inspect.signature(fn).parameters)
+    except (TypeError, ValueError):
+        return False
+    return bool(params) and params[0] == "self"

@@ -1,0 +1,452 @@
+"""`jremat.explain`: what a plan saves and recomputes, per layer and segment, before you decide.
+
+Built on `jremat.trace` (the `Graph` of values and equations), `jremat.planning.layer_segments`
+(the model's layers from name stacks) and `jremat.plan`. Every row is the intersection of one
+layer (or the glue between layers) with one plan segment, with:
+
+* activation bytes: the residuals its equations leave for the backward pass without remat
+  (the cost model's bytes, after XLA-style fusion; `Node.residuals` and `internal_bytes`);
+* saved bytes: what the plan keeps of them (a kept segment keeps all; a checkpointed one its
+  named values, the values later checkpointed segments take as inputs, and for built-in
+  policies what the policy saves);
+* recomputed bytes and FLOPs: what the backward pass recomputes instead;
+* source lines of its first and last equation, in the user's code (the innermost frame outside
+  site-packages and jremat; the library line when there is none).
+
+Rows come largest activations first. A Flax model is analysed as written: `jremat.auto`
+decorators inside it are switched off while tracing (`jremat.plan_cache.disabled`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import sys
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+
+from . import _compat
+from .plan import KEEP, SAVE_NAMES, Plan
+from .plan_cache import _pairing, disabled
+from .planners.candidates import layer_keys, layer_spans
+from .planning import abstract_args, layer_segments, plan
+from .rewrite import segment_io
+from .trace import Graph, build_graph, trace
+
+MIB = 2.0**20
+
+#: Built-in policies by what they save (JAX's `jax.checkpoint_policies`).
+_DOTS = ("dot_general", "conv_general_dilated")
+
+
+@dataclasses.dataclass
+class ExplainRow:
+    """One layer x segment of an explained plan.
+
+    Attributes:
+      layer: the layer's name (`Block_3`, `h/2`), `(between layers)` for glue, or `eqns a-b`
+        when the program carries no layer names.
+      segment: index of the plan segment; `policy` its policy (`keep`, `names`, a built-in).
+      start, end: equations `[start, end)` of the traced graph.
+      activation_bytes: bytes of residuals these equations leave for backward without remat.
+      saved_bytes, recomputed_bytes: how the plan splits them (saved + recomputed =
+        activation, plus any segment-input values these equations produce).
+      flops: FLOPs of these equations; recompute_flops: those the backward pass redoes.
+      saved, recomputed: the largest saved/recomputed values, as `dtype[shape]` strings.
+      source: first .. last source line of these equations (`file:line (function)` of the
+        innermost frame in the user's code).
+    """
+
+    layer: str
+    segment: int
+    policy: str
+    start: int
+    end: int
+    activation_bytes: int
+    saved_bytes: int
+    recomputed_bytes: int
+    flops: float
+    recompute_flops: float
+    saved: list[str]
+    recomputed: list[str]
+    source: str
+
+
+@dataclasses.dataclass
+class Explanation:
+    """Rows (largest activations first) and totals of `jremat.explain`.
+
+    Attributes:
+      rows: `ExplainRow`s sorted by `activation_bytes`, largest first.
+      plan: the `Plan` explained; graph: the traced `Graph` it refers to.
+      baseline_temp_bytes: compiled temp bytes without remat (None with verify=False).
+      planned_temp_bytes: compiled temp bytes under the plan (None when not compiled).
+      budget: the budget asked for.
+    """
+
+    rows: list[ExplainRow]
+    plan: Plan
+    graph: Graph
+    budget: Any
+    baseline_temp_bytes: int | None
+    planned_temp_bytes: int | None
+
+    @property
+    def total_recompute_flops(self) -> float:
+        return float(sum(r.recompute_flops for r in self.rows))
+
+    @property
+    def total_flops(self) -> float:
+        return float(sum(r.flops for r in self.rows))
+
+    def to_dicts(self) -> list[dict[str, Any]]:
+        """The rows as plain dicts (JSON-able)."""
+        return [dataclasses.asdict(r) for r in self.rows]
+
+    def __str__(self) -> str:
+        return self.table()
+
+    def table(self, max_rows: int | None = 40) -> str:
+        """A text table of the rows (at most `max_rows`, largest activations first)."""
+        head = [
+            f"jremat.explain: budget={self.budget!r}, {len(self.plan.segments)} segments "
+            f"({sum(s.checkpointed for s in self.plan.segments)} checkpointed), "
+            f"{self.graph.num_nodes} equations",
+        ]
+        if self.baseline_temp_bytes is not None:
+            line = f"compiled temp: {self.baseline_temp_bytes / MIB:.2f} MiB without remat"
+            if self.planned_temp_bytes is not None:
+                line += f", {self.planned_temp_bytes / MIB:.2f} MiB under the plan"
+            head.append(line)
+        tot = self.total_flops or 1.0
+        head.append(
+            f"recompute: {self.total_recompute_flops / 1e6:.4g} MFLOP "
+            f"({100 * self.total_recompute_flops / tot:.1f}% of the forward pass)"
+        )
+        cols = (
+            f"{'layer':<22} {'seg':>3} {'policy':>9} {'eqns':>9} {'activ MiB':>9} "
+            f"{'saved MiB':>9} {'recomp MiB':>10} {'recomp MFLOP':>12}  saves / recomputes; source"
+        )
+        lines = head + [cols]
+        shown = self.rows if max_rows is None else self.rows[:max_rows]
+        for r in shown:
+            detail = []
+            if r.saved:
+                detail.append("saves " + ", ".join(r.saved))
+            if r.recomputed:
+                detail.append("recomputes " + ", ".join(r.recomputed))
+            lines.append(
+                f"{r.layer[:22]:<22} {r.segment:>3} {r.policy[:9]:>9} "
+                f"{f'{r.start}-{r.end - 1}':>9} {r.activation_bytes / MIB:>9.3f} "
+                f"{r.saved_bytes / MIB:>9.3f} {r.recomputed_bytes / MIB:>10.3f} "
+                f"{r.recompute_flops / 1e6:>12.4g}  {'; '.join(detail)}"
+            )
+            if r.source:
+                lines.append(f"{'':>22}   {r.source}")
+        if len(shown) < len(self.rows):
+            lines.append(f"... {len(self.rows) - len(shown)} more rows (table(max_rows=None))")
+        return "\n".join(lines)
+
+
+def explain(
+    target: Any,
+    *args: Any,
+    budget: Any = 0.5,
+    solver: str | None = None,
+    verify: bool = True,
+    max_rounds: int = 4,
+    argnums: int | Sequence[int] | None = None,
+    method: Any = None,
+    rngs: Any = None,
+    mutable: Any = False,
+    **kwargs: Any,
+) -> Explanation:
+    """Plan `target` under `budget` and explain, per layer and segment, what is saved and what
+    is recomputed: bytes, FLOPs and source lines, largest activations first.
+
+    Targets and their arguments:
+      * a function: `explain(loss, params, batch)`; differentiates `argnums` (default 0). A
+        non-scalar output is reduced with fixed random tangents (`<out, t>`), as for blocks.
+      * a linen Module instance: `explain(model, variables, x, rngs=..., mutable=...)`;
+        differentiates `variables["params"]` (`model.apply` keywords pass through).
+      * an NNX Module instance: `explain(model, x)`; differentiates its `nnx.Param`s.
+      * a function taking NNX modules: `explain(f, model, x)`; differentiates the `nnx.Param`s
+        of the modules among its arguments.
+    The plan is a whole training step's (`jremat.plan`: the budget is a fraction of that
+    step's compiled temp bytes, or bytes); `jremat.auto` decorators inside are switched off.
+
+    Args:
+      target: as above.
+      *args: example arguments (arrays or `jax.ShapeDtypeStruct`s for functions; real
+        variables/modules for Flax).
+      budget, solver, verify, max_rounds: as `jremat.plan`.
+      argnums: functions only: the differentiated arguments (default 0).
+      method, rngs, mutable, **kwargs: linen only, passed to `model.apply`; for NNX and
+        functions, `**kwargs` are passed to the call.
+
+    Returns:
+      An `Explanation`: `.rows`, `.plan`, `.graph`, compiled totals; `str()` is the table.
+
+    Raises:
+      TypeError: a Module class (pass an instance with its variables), or arguments the
+        target cannot be differentiated on; the errors of `jremat.plan`
+        (`InfeasibleBudgetError`, ...) unchanged.
+    """
+    with disabled():
+        fn, fargs, nums, model_nodes = _as_loss(
+            target, args, argnums, method, rngs, mutable, kwargs
+        )
+        graph = trace(fn, *fargs, argnums=nums)
+        opts = {} if solver is None else {"solver": solver}
+        p = plan(
+            fn, *fargs, budget=budget, argnums=nums, verify=verify, max_rounds=max_rounds, **opts
+        )
+    rows = explain_plan(graph, p, model_nodes)
+    return Explanation(
+        rows=rows,
+        plan=p,
+        graph=graph,
+        budget=budget,
+        baseline_temp_bytes=p.baseline_temp_bytes,
+        planned_temp_bytes=p.measured_temp_bytes,
+    )
+
+
+# -- targets -> (loss function, arguments, argnums) ------------------------------------------
+def _scalar_or_pairing(
+    fn: Callable[..., Any], args: Sequence[Any], argnums: Any = 0
+) -> tuple[Callable[..., Any], tuple[Any, ...], Any, int | None]:
+    """(loss, args, argnums, equations of `fn` itself or None when `fn` is already a loss)."""
+    out = jax.eval_shape(fn, *args)
+    leaves = jax.tree_util.tree_leaves(out)
+    if len(leaves) == 1 and leaves[0].shape == () and _compat.is_float_dtype(leaves[0].dtype):
+        return fn, tuple(args), argnums, None
+
+    def loss(*a: Any) -> Any:
+        outs = jax.tree_util.tree_leaves(fn(*a))
+        total = _pairing(outs, [True] * len(outs))
+        if total is None:
+            raise TypeError(
+                "jremat.explain: the target returns no floating-point array to differentiate "
+                f"(got {[f'{x.dtype}{list(x.shape)}' for x in leaves]})"
+            )
+        return total
+
+    return loss, tuple(args), argnums, build_graph(fn, abstract_args(args)).num_nodes
+
+
+def _as_loss(target, args, argnums, method, rngs, mutable, kwargs):
+    linen = sys.modules.get("flax.linen")
+    nnx = sys.modules.get("flax.nnx")
+    if isinstance(target, type):
+        raise TypeError(
+            f"jremat.explain needs a function or a Module instance, got the class "
+            f"{target.__qualname__}; pass an instance (linen: with its variables, "
+            "explain(Model(), variables, x); NNX: explain(Model(rngs=...), x))."
+        )
+    if linen is not None and isinstance(target, linen.Module):
+        if not args:
+            raise TypeError("jremat.explain(linen_model, variables, *inputs): variables missing")
+        variables, inputs = args[0], tuple(args[1:])
+        other = {k: v for k, v in variables.items() if k != "params"}
+
+        def apply(params, other, *inputs):
+            out = target.apply(
+                {**other, "params": params},
+                *inputs,
+                rngs=rngs,
+                mutable=mutable,
+                method=method,
+                **kwargs,
+            )
+            return out[0] if mutable is not False else out
+
+        fargs = (variables.get("params", {}), other, *inputs)
+        return _scalar_or_pairing(apply, fargs)
+    if nnx is not None:
+        from .flax_nnx import has_graph_node
+
+        if isinstance(target, nnx.Module):
+            return _nnx_loss(lambda m, *a, **k: m(*a, **k), (target, *args), kwargs, nnx)
+        if has_graph_node((args, kwargs)):
+            return _nnx_loss(target, args, kwargs, nnx)
+    if not callable(target):
+        raise TypeError(f"jremat.explain needs a function or a Module, got {type(target).__name__}")
+    fn = target if not kwargs else (lambda *a: target(*a, **kwargs))
+    return _scalar_or_pairing(fn, tuple(args), 0 if argnums is None else argnums)
+
+
+def _nnx_loss(fn, args, kwargs, nnx):
+    from flax.nnx import graph as nnx_graph
+
+    leaves, treedef = jax.tree_util.tree_flatten((args, kwargs), is_leaf=nnx_graph.is_graph_node)
+    node_idx = [i for i, x in enumerate(leaves) if nnx_graph.is_graph_node(x)]
+    nodes = [leaves[i] for i in node_idx]
+    graphdef, params, rest = nnx.split(nodes, nnx.Param, ...)
+
+    def call(params, rest, arrays):
+        merged = nnx.merge(graphdef, params, rest)
+        vals = list(arrays)
+        for i, m in zip(node_idx, merged, strict=True):
+            vals[i] = m
+        a, k = jax.tree_util.tree_unflatten(treedef, vals)
+        return fn(*a, **k)
+
+    arrays = [None if i in node_idx else x for i, x in enumerate(leaves)]
+    return _scalar_or_pairing(call, (params, rest, arrays))
+
+
+# -- rows ------------------------------------------------------------------------------------
+def _policy_saves(policy: str, graph: Graph, vid: int) -> bool:
+    """Whether a built-in policy saves value `vid` (what `jax.checkpoint_policies` keep)."""
+    p = graph.values[vid].producer
+    node = graph.nodes[p] if p >= 0 else None
+    if node is None or policy in ("nothing_saveable",):
+        return False
+    if policy == "everything_saveable":
+        return True
+    if policy in ("dots_saveable", "checkpoint_dots"):
+        return node.primitive in _DOTS
+    if policy == "dots_with_no_batch_dims_saveable":
+        return node.primitive == "dot_general" and not node.eqn.params["dimension_numbers"][1][0]
+    return False
+
+
+def _describe(graph: Graph, ids: list[int], limit: int = 3) -> list[str]:
+    ids = sorted(ids, key=lambda v: -graph.values[v].nbytes)
+    out = [f"{graph.values[v].dtype}{list(graph.values[v].shape)}" for v in ids[:limit]]
+    if len(ids) > limit:
+        out.append(f"+{len(ids) - limit}")
+    return out
+
+
+def _layers(graph: Graph) -> list[tuple[int, int, str]]:
+    """(start, end, label) of the layers; glue between them is labelled too."""
+    named = len(layer_spans(graph)) >= 2
+    keys = layer_keys(graph) if named else []
+    spans = layer_segments(graph)
+    out: list[tuple[int, int, str]] = []
+    pos = 0
+    for s, e in spans:
+        if s > pos:
+            out.append((pos, s, "(between layers)"))
+        label = (keys[s] or "(between layers)") if named else f"eqns {s}-{e - 1}"
+        out.append((s, e, label))
+        pos = e
+    if pos < graph.num_nodes:
+        out.append((pos, graph.num_nodes, "(between layers)" if named or out else "all"))
+    return out
+
+
+def _user_source(node: Any) -> str:
+    """`file:line (function)` of the innermost frame of `node` in the user's code."""
+    try:
+        from jax._src import source_info_util as siu
+
+        frames = list(siu.user_frames(node.eqn.source_info.traceback))
+    except Exception:  # noqa: BLE001 - source info is best effort across jax versions
+        return node.source
+    for fr in frames:
+        if "site-packages" in fr.file_name or fr.file_name.startswith(_JREMAT_DIR):
+            continue
+        return f"{os.path.basename(fr.file_name)}:{fr.start_line} ({fr.function_name})"
+    return node.source
+
+
+_JREMAT_DIR = os.path.dirname(os.path.abspath(__file__))
+
+
+def explain_plan(graph: Graph, p: Plan, model_nodes: int | None = None) -> list[ExplainRow]:
+    """The rows of `explain` for a plan on its graph (largest activations first).
+
+    `model_nodes`: when the graph ends with the output reduction `explain` added to a
+    non-scalar target, the number of equations before it (the rest is labelled so).
+    Raises ValueError when the plan was made for another program.
+    """
+    if p.fingerprint != graph.fingerprint or p.num_nodes != graph.num_nodes:
+        raise ValueError(
+            f"the plan is for program {p.fingerprint} ({p.num_nodes} equations), the graph is "
+            f"{graph.fingerprint} ({graph.num_nodes})"
+        )
+    seg_of = [0] * graph.num_nodes
+    for k, s in enumerate(p.segments):
+        for i in range(s.start, s.end):
+            seg_of[i] = k
+    boundary: set[int] = set()
+    for s in p.segments:
+        if s.checkpointed:
+            boundary.update(segment_io(graph, s)[0])
+    residuals: set[int] = set()
+    for node in graph.nodes:
+        residuals.update(v for v in node.residuals if graph.is_temp(v))
+
+    def kept(v: int) -> bool:
+        s = p.segments[seg_of[graph.values[v].producer]]
+        if v in boundary or s.policy == KEEP:
+            return True
+        if s.policy == SAVE_NAMES:
+            return v in s.saved
+        return _policy_saves(s.policy, graph, v)
+
+    layers = _layers(graph)
+    cuts = {0, graph.num_nodes} | {s.start for s in p.segments} | {a for a, _, _ in layers}
+    label_of = {}
+    for a, b, lab in layers:
+        for i in range(a, b):
+            label_of[i] = lab
+    if model_nodes is not None and model_nodes < graph.num_nodes:
+        cuts.add(model_nodes)
+        for i in range(model_nodes, graph.num_nodes):
+            label_of[i] = "(output reduction)"
+    cuts = sorted(cuts)
+    rows = []
+    for a, b in zip(cuts[:-1], cuts[1:], strict=True):
+        k = seg_of[a]
+        s = p.segments[k]
+        saved_ids, recomputed_ids = [], []
+        act = internal_kept = internal_recomputed = 0
+        flops = recompute_flops = 0.0
+        for node in graph.nodes[a:b]:
+            flops += node.flops
+            act += node.internal_bytes
+            if s.checkpointed:
+                internal_recomputed += node.internal_bytes
+            else:
+                internal_kept += node.internal_bytes
+            outs = [o for o in node.outputs if o in residuals or o in boundary]
+            node_recomputed = False
+            for o in outs:
+                if o in residuals:
+                    act += graph.values[o].nbytes
+                if kept(o):
+                    saved_ids.append(o)
+                elif o in residuals:
+                    recomputed_ids.append(o)
+                    node_recomputed = True
+            if s.checkpointed and (node_recomputed or not outs):
+                recompute_flops += node.flops
+        first, last = _user_source(graph.nodes[a]), _user_source(graph.nodes[b - 1])
+        source = first if first == last else f"{first} .. {last}"
+        rows.append(
+            ExplainRow(
+                layer=label_of.get(a, ""),
+                segment=k,
+                policy=s.policy,
+                start=a,
+                end=b,
+                activation_bytes=int(act),
+                saved_bytes=int(sum(graph.values[v].nbytes for v in saved_ids) + internal_kept),
+                recomputed_bytes=int(
+                    sum(graph.values[v].nbytes for v in recomputed_ids) + internal_recomputed
+                ),
+                flops=flops,
+                recompute_flops=recompute_flops if s.checkpointed else 0.0,
+                saved=_describe(graph, saved_ids),
+                recomputed=_describe(graph, recomputed_ids),
+                source=source,
+            )
+        )
+    rows.sort(key=lambda r: (-r.activation_bytes, r.start))
+    return rows
