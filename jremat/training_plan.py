@@ -137,8 +137,12 @@ def _measure(vg, optimizer, args: Sequence[Any]) -> tuple[int, int, float]:
     compiled = jitted.lower(*args).compile()
     mem = compiled.memory_analysis()
     temp = int(mem.temp_size_in_bytes)
-    footprint = (int(mem.argument_size_in_bytes) + int(mem.output_size_in_bytes)
-                 - int(mem.alias_size_in_bytes) + temp)
+    footprint = (
+        int(mem.argument_size_in_bytes)
+        + int(mem.output_size_in_bytes)
+        - int(mem.alias_size_in_bytes)
+        + temp
+    )
     # XLA counts a loop body once; add (trips - 1) bodies for every scan (the microbatch loop
     # and any scan inside the loss).
     jaxpr = jax.make_jaxpr(raw if raw is not None else vg)(*args)
@@ -211,15 +215,16 @@ def plan_training(
     spec = parse_budget(budget)
     if spec.fraction is not None:
         raise ValueError(
-            f"plan_training needs a budget in bytes (an int, or a string such as \"64MiB\"); "
+            f'plan_training needs a budget in bytes (an int, or a string such as "64MiB"); '
             f"got the fraction {budget!r}. A fraction is relative to the temp bytes of one "
             "unrematerialized program, and the train steps compared here (different numbers of "
             "microbatches, with or without optimizer state) are different programs, so it has "
             "no common meaning. Use jremat.plan / jremat.auto for fraction budgets."
         )
     limit = int(spec.footprint_bytes)
-    if optimizer is not None and not (callable(getattr(optimizer, "init", None))
-                                      and callable(getattr(optimizer, "update", None))):
+    if optimizer is not None and not (
+        callable(getattr(optimizer, "init", None)) and callable(getattr(optimizer, "update", None))
+    ):
         raise TypeError(
             "optimizer must be an optax.GradientTransformation (with init and update) or None; "
             f"got {type(optimizer).__name__}."
@@ -242,8 +247,9 @@ def plan_training(
     def consider(k: int, rb: float | None, p: Plan | None) -> bool:
         fp, temp, flops = _measure(_value_and_grad(loss_fn, k, p), optimizer, step_args)
         ok = fp <= limit
-        alternatives.append(dict(k=k, remat_budget=rb, footprint_bytes=fp, temp_bytes=temp,
-                                 flops=flops, fits=ok))
+        alternatives.append(
+            dict(k=k, remat_budget=rb, footprint_bytes=fp, temp_bytes=temp, flops=flops, fits=ok)
+        )
         if ok:
             fitting.append((flops, k, fp, len(alternatives) - 1, p))
         return ok
@@ -252,16 +258,25 @@ def plan_training(
         if consider(k, None, None):
             break  # fits without remat: larger k or remat would only add FLOPs
         micro = jax.tree.map(
-            lambda x, k=k: jax.ShapeDtypeStruct((x.shape[0] // k, *x.shape[1:]), x.dtype), batch_a)
+            lambda x, k=k: jax.ShapeDtypeStruct((x.shape[0] // k, *x.shape[1:]), x.dtype), batch_a
+        )
         prog = Program(loss_fn, (params_a, micro), 0)
         seen: set[str] = set()
         for rb in remat_budgets:
             try:
                 p = solve(prog, parse_budget(rb))
             except InfeasibleBudgetError as e:
-                alternatives.append(dict(k=k, remat_budget=rb, footprint_bytes=None,
-                                         temp_bytes=None, flops=None, fits=False,
-                                         error=f"remat infeasible: {str(e).split(':')[0]}"))
+                alternatives.append(
+                    dict(
+                        k=k,
+                        remat_budget=rb,
+                        footprint_bytes=None,
+                        temp_bytes=None,
+                        flops=None,
+                        fits=False,
+                        error=f"remat infeasible: {str(e).split(':')[0]}",
+                    )
+                )
                 break  # a smaller fraction is infeasible too
             if p.is_identity or _key(p) in seen:
                 continue
@@ -280,12 +295,17 @@ def plan_training(
             f"MiB), with k={best['k']} microbatches and remat budget {rb} (tried k in {ks}, "
             f"remat budgets {list(remat_budgets)}). Raise the budget, or try more microbatches "
             "(candidates=...) or smaller remat fractions (remat_budgets=...).",
-            budget=spec.raw, smallest_reachable=smallest,
+            budget=spec.raw,
+            smallest_reachable=smallest,
             smallest_reachable_bytes=best["temp_bytes"],
         )
     flops, k, fp, _, p = min(fitting, key=lambda t: t[:4])
     return TrainingPlan(
-        num_microbatches=k, plan=p, predicted_footprint_bytes=fp, flops=flops,
-        alternatives=alternatives, value_and_grad=_value_and_grad(loss_fn, k, p),
+        num_microbatches=k,
+        plan=p,
+        predicted_footprint_bytes=fp,
+        flops=flops,
+        alternatives=alternatives,
+        value_and_grad=_value_and_grad(loss_fn, k, p),
         budget_bytes=limit,
     )

@@ -78,8 +78,9 @@ def test_generous_budget_keeps_plain_step(mlp):
 def test_budget_below_everything_raises(mlp):
     loss, params, batch = mlp
     with pytest.raises(jremat.InfeasibleBudgetError, match="smallest compiled footprint") as e:
-        jremat.plan_training(loss, params, batch, budget=1000, candidates=[1, 4],
-                             remat_budgets=(0.5,))
+        jremat.plan_training(
+            loss, params, batch, budget=1000, candidates=[1, 4], remat_budgets=(0.5,)
+        )
     assert e.value.budget == 1000
     assert e.value.smallest_reachable > 1000
 
