@@ -45,7 +45,7 @@ def _check_scalar_output(fn: Callable[..., Any], args: Sequence[Any]) -> None:
     if not ok:
         shapes = [f"{x.dtype}{list(x.shape)}" for x in leaves]
         raise TypeError(
-            "measure needs fn to return a scalar floating-point loss (it compiles "
+            "jremat needs fn to return a scalar floating-point loss (it compiles "
             f"jax.value_and_grad(fn)); fn returned {shapes or 'no arrays'}. Reduce the output "
             "(for example with .mean()) or wrap fn in a loss."
         )

@@ -50,8 +50,11 @@ def abstract_args(args: Sequence[Any]) -> tuple[Any, ...]:
     def to_aval(x: Any) -> Any:
         if isinstance(x, jax.ShapeDtypeStruct):
             return x
+        if isinstance(x, (bool, int, float, complex)):  # a Python scalar traces weakly typed
+            return jax.ShapeDtypeStruct((), jax.numpy.asarray(x).dtype, weak_type=True)
         if hasattr(x, "shape") and hasattr(x, "dtype"):
-            return jax.ShapeDtypeStruct(x.shape, x.dtype)
+            weak = bool(getattr(getattr(x, "aval", x), "weak_type", False))
+            return jax.ShapeDtypeStruct(x.shape, x.dtype, weak_type=weak)
         return x
 
     return tuple(jax.tree_util.tree_map(to_aval, a) for a in args)

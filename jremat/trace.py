@@ -167,17 +167,29 @@ def _join(a: str, b: str) -> str:
 
 
 def normalize_argnums(argnums: int | Sequence[int], nargs: int) -> tuple[int, ...]:
-    """Validate `argnums` against the number of positional arguments."""
-    nums = (argnums,) if isinstance(argnums, int) else tuple(argnums)
-    if not nums or not all(isinstance(a, int) for a in nums):
-        raise TypeError(f"argnums must be an int or a non-empty tuple of ints, got {argnums!r}")
+    """Validate `argnums` (an int or a non-empty sequence of distinct ints, as in `jax.grad`)
+    against the number of positional arguments; returns non-negative positions."""
+    import operator
+
+    items = argnums if isinstance(argnums, (tuple, list)) else (argnums,)
+    try:
+        if not items or any(isinstance(a, bool) for a in items):
+            raise TypeError
+        nums = tuple(operator.index(a) for a in items)
+    except TypeError:
+        raise TypeError(
+            f"argnums must be an int or a non-empty tuple of ints, got {argnums!r}"
+        ) from None
     for a in nums:
         if not -nargs <= a < nargs:
             raise ValueError(
                 f"argnums={argnums!r} is out of range for a function called with {nargs} "
                 "positional argument(s)"
             )
-    return tuple(a % nargs for a in nums)
+    out = tuple(a % nargs for a in nums)
+    if len(set(out)) != len(out):
+        raise ValueError(f"argnums={argnums!r} names an argument twice")
+    return out
 
 
 def _check_differentiable(args: Sequence[Any], argnums: tuple[int, ...]) -> None:
@@ -243,7 +255,7 @@ def build_graph(fn: Callable[..., Any], args: Sequence[Any], nums: tuple[int, ..
         diff_invars=diff,
         in_tree=in_tree,
         out_tree=out_tree,
-        fingerprint=_fingerprint(b, flat_args),
+        fingerprint=_fingerprint(b, [v.aval for v in jaxpr.invars]),
         consumers=consumers,
     )
 
@@ -302,16 +314,26 @@ def _anchor_residuals(b: _Builder) -> None:
         node.residuals = tuple(res)
 
 
-def _fingerprint(b: _Builder, flat_args: Sequence[Any]) -> str:
+def _fingerprint(b: _Builder, in_avals: Sequence[Any]) -> str:
     h = hashlib.sha256()
-    for x in flat_args:
-        h.update(f"{getattr(x, 'shape', ())}{getattr(x, 'dtype', '')};".encode())
+    for aval in in_avals:  # avals, so a Python scalar and its traced value agree
+        h.update(f"{getattr(aval, 'shape', ())}{getattr(aval, 'dtype', '')};".encode())
     for n in b.nodes:
         h.update(f"{n.primitive}{len(n.inputs)}{n.outputs};".encode())
     return h.hexdigest()[:16]
 
 
 def signature(args: Sequence[Any]) -> tuple:
-    """Hashable shape/dtype signature of a call's arguments (the key of cached plans)."""
+    """Hashable shape/dtype signature of a call's arguments (the key of cached plans).
+
+    Weak typing counts: a Python scalar (or a value traced from one) traces to a different
+    program than a committed float32 array."""
     leaves, tree = jax.tree_util.tree_flatten(args)
-    return (tree, tuple((tuple(np.shape(x)), str(getattr(x, "dtype", type(x)))) for x in leaves))
+
+    def key(x: Any) -> tuple:
+        if isinstance(x, (bool, int, float, complex)):
+            return ((), type(x).__name__, True)
+        weak = bool(getattr(getattr(x, "aval", x), "weak_type", False))
+        return (tuple(np.shape(x)), str(getattr(x, "dtype", type(x))), weak)
+
+    return (tree, tuple(key(x) for x in leaves))

@@ -37,6 +37,12 @@ class GreedyPlanner(ChainPlanner):
         return min_memory(self.table)
 
     def plan(self, model_budget: float) -> Plan | None:
+        chosen = self.choose(model_budget)
+        return None if chosen is None else to_plan(self.graph, self.table, chosen, self.name)
+
+    def choose(self, model_budget: float) -> list[tuple[int, int, str]] | None:
+        """The greedy choice as `[(cut a, cut b, option)]`, or None when even the cheapest
+        memory choice exceeds `model_budget`."""
         t = self.table
         segs = self._segments()
         ladder = [
@@ -77,5 +83,4 @@ class GreedyPlanner(ChainPlanner):
             if best is None:
                 break
             level = best
-        chosen = [(a, b, ladder[lv]) for (a, b), lv in zip(segs, level, strict=True)]
-        return to_plan(self.graph, t, chosen, self.name)
+        return [(a, b, ladder[lv]) for (a, b), lv in zip(segs, level, strict=True)]

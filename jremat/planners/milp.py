@@ -14,7 +14,8 @@ bytes stored before cut c:
 
 It is the chain DP's model solved without memory discretization, so its objective is the
 optimum of that model: the reference for the heuristics. HiGHS (`highspy`) solves it under a
-time limit, starting from the chain DP's plan as incumbent, and reports the optimality gap.
+time limit, starting from the best heuristic plan (chain DP, greedy) as incumbent, and reports
+the optimality gap (the big-M relaxation is weak, so the gap often stays open at the limit).
 """
 
 from __future__ import annotations
@@ -26,7 +27,8 @@ import sys
 import numpy as np
 
 from ..plan import Plan
-from .chain import ChainPlanner, to_plan, within_budget
+from .chain import to_plan, within_budget
+from .greedy import GreedyPlanner
 
 
 @contextlib.contextmanager
@@ -43,7 +45,7 @@ def _quiet_stdout():
             os.close(saved)
 
 
-class MILPPlanner(ChainPlanner):
+class MILPPlanner(GreedyPlanner):
     """Checkmate-style exact planner (HiGHS). `time_limit` in seconds; `max_span` bounds how
     many cut intervals one segment may cover (fewer variables)."""
 
@@ -123,10 +125,13 @@ class MILPPlanner(ChainPlanner):
         h.run()
         info = h.getInfo()
         values = np.asarray(h.getSolution().col_value)
-        if info.primal_solution_status != 2 or len(values) != nvar:  # 2: feasible
+        feasible = info.primal_solution_status == 2 and len(values) == nvar  # 2: feasible
+        if start is not None and (not feasible or cost @ values > cost @ start + 1e-6):
+            values, feasible = start, True  # HiGHS did not improve on (or keep) the incumbent
+        if not feasible:
             return None
         self.last_gap = float(info.mip_gap)
-        self.last_objective = float(info.objective_function_value)
+        self.last_objective = float(cost @ values)
         chosen = [edges[i] for i in range(E) if values[i] > 0.5]
         by_start = {a: (k, b) for k, a, b in chosen}
         segs, a = [], 0
@@ -142,20 +147,29 @@ class MILPPlanner(ChainPlanner):
         return plan
 
     def _warm_start(self, edges, model_budget: float) -> np.ndarray | None:
-        """The chain DP's plan as the MILP's first incumbent (HiGHS then only improves it)."""
-        found = within_budget(self.table, model_budget)
-        if found is None:
-            return None
+        """The best heuristic plan (chain DP or greedy) as the MILP's first incumbent, so the
+        MILP's answer is never worse than theirs; HiGHS then tries to improve it."""
         t = self.table
         index = {e: i for i, e in enumerate(edges)}
-        x = np.zeros(len(edges) + len(t.cuts))
-        running = 0.0
-        for a, b, option in found[1]:
-            k = t.option_index(option)
-            i = index.get((k, a, b))
-            if i is None:
-                return None
-            x[i] = 1.0
-            x[len(edges) + a] = running
-            running += t.stored[k, a, b]
-        return x
+        found = within_budget(t, model_budget)
+        candidates = [found[1]] if found is not None else []
+        greedy = self.choose(model_budget)
+        if greedy is not None:
+            candidates.append(greedy)
+        best, best_cost = None, np.inf
+        for segs in candidates:
+            x = np.zeros(len(edges) + len(t.cuts))
+            running, cost = 0.0, 0.0
+            for a, b, option in segs:
+                k = t.option_index(option)
+                i = index.get((k, a, b))
+                if i is None:
+                    break
+                x[i] = 1.0
+                x[len(edges) + a] = running
+                running += t.stored[k, a, b]
+                cost += t.flops[k, a, b]
+            else:
+                if cost < best_cost:
+                    best, best_cost = x, cost
+        return best
