@@ -96,7 +96,9 @@ def test_explain_nnx_module():
             return x + self.down(nnx.gelu(self.up(x)))
 
     model = Mlp(nnx.Rngs(0))
-    e = jremat.explain(model, X, budget=0.6, verify=False, solver="chain")
+    # one residual block: the cost model (verify=False) finds nothing to save below 1.0, so
+    # explain the unrematerialized plan; the rows must still describe every layer
+    e = jremat.explain(model, X, budget=1.0, verify=False, solver="chain")
     _check_rows(e)
     assert sum(e.graph.diff_invars) == 4  # the two kernels and biases
     with pytest.raises(TypeError, match="pass an instance"):
