@@ -1,7 +1,9 @@
 """jremat benchmark suite: every solver vs JAX's built-in policies per layer and sqrt(n).
 
-    python benchmarks/run.py            # CPU: XLA's bytes and FLOPs, planning seconds
-    python benchmarks/run.py --gpu      # adds step time, peak device memory, largest batch
+    python benchmarks/run.py            # XLA's bytes and FLOPs, planning seconds
+
+(A GPU mode with step time, peak device memory and the largest batch under a cap is not built
+yet: no GPU was lent to the session that wrote this suite.)
 
 Models: GPT-2-style decoder unrolled (Hugging Face Flax GPT-2) and scanned (`lax.scan` over
 layers), ViT, ResNet, U-Net and an MLP chain, at budgets 0.2 .. 0.9. Figures are XLA's
