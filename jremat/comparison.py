@@ -9,7 +9,6 @@ and plot as temp memory against extra FLOPs with the Pareto frontier marked.
 
 from __future__ import annotations
 
-import copy
 import csv
 import dataclasses
 import html
@@ -27,11 +26,9 @@ import jax.numpy as jnp
 from . import policies as _policies
 from .budget import Budget, parse_budget
 from .errors import InfeasibleBudgetError
-from .measure import compile_step, scan_flops_correction, xla_flops
 from .pareto import pareto_front
 from .plan import Plan
-from .planning import SOLVERS, Compiled, Program, recipe_plan, solve
-from .rewrite import rematerialize
+from .planning import SOLVERS, Program, recipe_plan, solve
 
 #: JAX built-in policies applied per layer (the layers found from the jaxpr's name stack).
 BUILTIN_PER_LAYER = ("nothing_saveable", "dots_saveable", "dots_with_no_batch_dims_saveable")
@@ -412,49 +409,6 @@ def _is_plan_pair(p: Any) -> bool:
 
 
 # -- running it ----------------------------------------------------------------------------
-class _Program(Program):
-    """A `Program` that keeps each compiled step, so that a plan compiled by the planner
-    while verifying (the baseline, the reference recipes, its rounds) is not compiled again
-    for its row, and a row's executable is the one whose figures it reports."""
-
-    def __init__(self, fn: Callable[..., Any], args: tuple, argnums: Any):
-        super().__init__(fn, args, argnums)
-        self._steps: dict[Any, tuple[Compiled, Any, float]] = {}
-
-    def compile(self, plan: Plan | None) -> Compiled:
-        return self.step(plan)[0]
-
-    def step(self, plan: Plan | None) -> tuple[Compiled, Any, float]:
-        """(figures, executable, compile seconds) of `value_and_grad` under `plan`."""
-        key = _plan_key(plan)
-        if key not in self._steps:
-            f = self.fn if plan is None else rematerialize(self.fn, plan)
-            t0 = time.perf_counter()
-            exe = compile_step(f, self.args, self.nums)
-            seconds = time.perf_counter() - t0
-            mem = exe.memory_analysis()
-            flops = xla_flops(exe)
-            if self.has_scan:
-                flops += scan_flops_correction(f, self.args, self.nums)
-            fixed = mem.argument_size_in_bytes + mem.output_size_in_bytes - mem.alias_size_in_bytes
-            self._steps[key] = (
-                Compiled(int(mem.temp_size_in_bytes), flops, int(fixed)),
-                exe,
-                seconds,
-            )
-            if plan is not None:
-                self.tried.append((copy.deepcopy(plan), self._steps[key][0]))
-        return self._steps[key]
-
-
-def _plan_key(plan: Plan | None) -> Any:
-    """What decides the rewritten program: segments with their saves, and scan settings."""
-    if plan is None or plan.is_identity:
-        return None
-    segs = tuple((s.start, s.end, s.policy, tuple(s.saved)) for s in plan.segments)
-    return segs, json.dumps(plan.scans, sort_keys=True, default=str)
-
-
 @dataclasses.dataclass
 class _Run:
     temp_bytes: int
@@ -465,7 +419,7 @@ class _Run:
     step_seconds: float | None
 
 
-def _run(prog: _Program, args: tuple, plan: Plan | None, runs: int) -> _Run:
+def _run(prog: Program, args: tuple, plan: Plan | None, runs: int) -> _Run:
     """Figures of the step under `plan`; execute it once for gradients (and `runs` timed)."""
     c, exe, compile_s = prog.step(plan)
     _, grads = jax.block_until_ready(exe(*args))
@@ -544,7 +498,7 @@ def compare(
         budgets = [budgets]
     specs = [parse_budget(b) for b in budgets]
     jobs = _fixed_jobs(policies, builtins)
-    prog = _Program(fn, args, argnums)
+    prog = Program(fn, args, argnums)
     for job in jobs:
         if job.recipe is not None:
             job.plan = recipe_plan(prog.graph, *job.recipe)

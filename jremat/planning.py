@@ -12,6 +12,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import math
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -84,29 +85,34 @@ class Program:
         self._baseline: Compiled | None = None
         self.has_scan = _has_scan(self.graph)
         self._planners: dict = {}
-        self._compiled: dict[str, Compiled] = {}
+        self._steps: dict[str, tuple[Compiled, Any, float]] = {}
         self.tried: list[tuple[Plan, Compiled]] = []  # every plan compiled on this program
         self._anchors: dict = {}
 
     def compile(self, plan: Plan | None) -> Compiled:
         """Compiled temp bytes and FLOPs of one training step under `plan` (None: no remat).
         Memoized per plan structure: the same segments and saves compile once."""
-        key = "none" if plan is None else _key(plan)
-        if key not in self._compiled:
-            self._compiled[key] = self._compile(plan)
-            if plan is not None:
-                self.tried.append((copy.deepcopy(plan), self._compiled[key]))
-        return self._compiled[key]
+        return self.step(plan)[0]
 
-    def _compile(self, plan: Plan | None) -> Compiled:
-        f = self.fn if plan is None else rematerialize(self.fn, plan)
-        exe = compile_step(f, self.args, self.nums)
-        mem = exe.memory_analysis()
-        flops = xla_flops(exe)
-        if self.has_scan:
-            flops += scan_flops_correction(f, self.args, self.nums)
-        fixed = mem.argument_size_in_bytes + mem.output_size_in_bytes - mem.alias_size_in_bytes
-        return Compiled(int(mem.temp_size_in_bytes), flops, int(fixed))
+    def step(self, plan: Plan | None) -> tuple[Compiled, Any, float]:
+        """(figures, executable, compile seconds) of `jit(value_and_grad)` under `plan`,
+        compiled once per plan structure; every compiled plan is also listed in `tried`."""
+        key = _key(plan)
+        if key not in self._steps:
+            f = self.fn if plan is None else rematerialize(self.fn, plan)
+            t0 = time.perf_counter()
+            exe = compile_step(f, self.args, self.nums)
+            seconds = time.perf_counter() - t0
+            mem = exe.memory_analysis()
+            flops = xla_flops(exe)
+            if self.has_scan:
+                flops += scan_flops_correction(f, self.args, self.nums)
+            fixed = mem.argument_size_in_bytes + mem.output_size_in_bytes - mem.alias_size_in_bytes
+            compiled = Compiled(int(mem.temp_size_in_bytes), flops, int(fixed))
+            self._steps[key] = (compiled, exe, seconds)
+            if plan is not None and not plan.is_identity:
+                self.tried.append((copy.deepcopy(plan), compiled))
+        return self._steps[key]
 
     @property
     def baseline(self) -> Compiled:
@@ -319,7 +325,10 @@ def solve(
     return _finish(chosen, meta, solver, prog.graph)
 
 
-def _key(p: Plan) -> str:
+def _key(p: Plan | None) -> str:
+    """What decides the rewritten program: segments with their saves, and scan settings."""
+    if p is None or p.is_identity:
+        return "unchanged"
     segs = ";".join(
         f"{s.start}:{s.end}:{s.policy}:{','.join(map(str, s.saved))}" for s in p.segments
     )
