@@ -15,7 +15,6 @@ import html
 import io
 import json
 import os
-import statistics
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -26,6 +25,7 @@ import jax.numpy as jnp
 from . import policies as _policies
 from .budget import Budget, parse_budget
 from .errors import InfeasibleBudgetError
+from .measure import median_step_seconds
 from .pareto import pareto_front
 from .plan import Plan
 from .planning import SOLVERS, Program, recipe_plan, solve
@@ -423,14 +423,7 @@ def _run(prog: Program, args: tuple, plan: Plan | None, runs: int) -> _Run:
     """Figures of the step under `plan`; execute it once for gradients (and `runs` timed)."""
     c, exe, compile_s = prog.step(plan)
     _, grads = jax.block_until_ready(exe(*args))
-    step = None
-    if runs:
-        times = []
-        for _ in range(runs):
-            t = time.perf_counter()
-            jax.block_until_ready(exe(*args))
-            times.append(time.perf_counter() - t)
-        step = statistics.median(times)
+    step = median_step_seconds(exe, args, runs) if runs else None  # the run above warmed up
     return _Run(c.temp_bytes, c.fixed_bytes, c.flops, grads, compile_s, step)
 
 

@@ -286,25 +286,31 @@ def _transform(fn: Callable[..., Any], **kw: Any) -> Callable[..., Any]:
     return lift_auto(fn, **kw)
 
 
+def method_names(methods: Any) -> list[str]:
+    """The `methods=` keyword of `nn.remat`/`nnx.remat` as a list of method names.
+
+    Raises TypeError unless it is None (`__call__`), a name, or a list/tuple of names.
+    """
+    if methods is None:
+        return ["__call__"]
+    if isinstance(methods, str):
+        return [methods]
+    if isinstance(methods, (list, tuple)):
+        return list(methods)
+    raise TypeError(
+        f"methods must be None, a method name or a list of names, got {type(methods).__name__}"
+    )
+
+
 def auto_linen_class(target: Any, options: dict[str, Any]) -> Any:
     """`jremat.auto` on a linen Module class (or a `functools.partial` of one)."""
     cls = target.func if isinstance(target, functools.partial) else target
-    methods = options["methods"]
-    if methods is None:
-        names = ["__call__"]
-    elif isinstance(methods, str):
-        names = [methods]
-    elif isinstance(methods, (list, tuple)):
-        names = list(methods)
-    else:
-        raise TypeError(
-            f"methods must be None, a method name or a list of names, got {type(methods).__name__}"
-        )
+    names = method_names(options["methods"])
     per_method = {}
     for m in names:
         method = getattr(cls, m, None)
         if method is None or not callable(method):
-            raise ValueError(f"methods={methods!r}: {cls.__name__} has no method {m!r}")
+            raise ValueError(f"methods={options['methods']!r}: {cls.__name__} has no method {m!r}")
         per_method[m] = _transform_kwargs(method, f"{cls.__name__}.{m}", options)
     new = nn_transforms.lift_transform(_transform, target, methods=per_method)
     new_cls = new.func if isinstance(new, functools.partial) else new

@@ -31,7 +31,13 @@ import numpy as np
 from flax import nnx
 from flax.nnx import graph as nnx_graph
 
-from .flax_linen import _param_names, merge_static, resolve_static, split_static
+from .flax_linen import (
+    _param_names,
+    merge_static,
+    method_names,
+    resolve_static,
+    split_static,
+)
 from .plan_cache import PlanCache, run_block
 
 
@@ -135,17 +141,7 @@ def make_caller(
 def auto_nnx_class(target: type, options: dict[str, Any]) -> type:
     """`jremat.auto` on an `nnx.Module` subclass: a subclass of the same name whose methods
     (`__call__` by default, or `methods`) run under the plan for each signature."""
-    methods = options["methods"]
-    if methods is None:
-        names = ["__call__"]
-    elif isinstance(methods, str):
-        names = [methods]
-    elif isinstance(methods, (list, tuple)):
-        names = list(methods)
-    else:
-        raise TypeError(
-            f"methods must be None, a method name or a list of names, got {type(methods).__name__}"
-        )
+    names = method_names(options["methods"])
     if options["variables"] is not True or options["rngs"] is not True:
         raise ValueError(
             "variables= and rngs= are linen lifting filters; NNX modules carry their state and "
@@ -155,7 +151,9 @@ def auto_nnx_class(target: type, options: dict[str, Any]) -> type:
     for m in names:
         method = getattr(target, m, None)
         if method is None or not callable(method):
-            raise ValueError(f"methods={methods!r}: {target.__name__} has no method {m!r}")
+            raise ValueError(
+                f"methods={options['methods']!r}: {target.__name__} has no method {m!r}"
+            )
         caller = make_caller(method, options, self_counted=True)
 
         def wrapped(self, *args, _caller=caller, **kwargs):

@@ -97,13 +97,8 @@ def measure(
     flops = xla_flops(compiled) + scan_flops_correction(fn, args, nums)
     step = None
     if runs:
-        jax.block_until_ready(compiled(*args))
-        times = []
-        for _ in range(runs):
-            t = time.perf_counter()
-            jax.block_until_ready(compiled(*args))
-            times.append(time.perf_counter() - t)
-        step = statistics.median(times)
+        jax.block_until_ready(compiled(*args))  # warm-up
+        step = median_step_seconds(compiled, args, runs)
     return Measurement(
         temp_bytes=temp,
         footprint_bytes=arg + out - alias + temp,
@@ -114,6 +109,16 @@ def measure(
         output_bytes=out,
         alias_bytes=alias,
     )
+
+
+def median_step_seconds(executable: Any, args: Sequence[Any], runs: int) -> float:
+    """Median wall seconds of `runs` executions of a compiled step (results awaited)."""
+    times = []
+    for _ in range(runs):
+        t = time.perf_counter()
+        jax.block_until_ready(executable(*args))
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
 
 
 def xla_flops(compiled: Any) -> float:
