@@ -42,7 +42,7 @@ NEEDS_NOTHING = frozenset(
     is_finite argmax argmin population_count clz iota broadcast_to split mesh_cast
     """.split()
 )
-NEEDS_OUTPUT = frozenset("tanh exp exp2 logistic sqrt rsqrt cbrt expm1 integer_pow_out".split())
+NEEDS_OUTPUT = frozenset("tanh exp exp2 logistic sqrt rsqrt cbrt expm1".split())
 MOVEMENT = frozenset(
     """reshape broadcast_in_dim transpose squeeze expand_dims convert_element_type slice
     dynamic_slice dynamic_update_slice concatenate pad copy copy_p gather iota rev device_put
