@@ -39,10 +39,14 @@ def bind(eqn: Any, invals: list[Any]) -> list[Any]:
     return list(out) if eqn.primitive.multiple_results else [out]
 
 
+def with_params(eqn: Any, params: dict[str, Any]) -> Any:
+    """A stand-in for `eqn` (primitive and params only) with edited raw `params`."""
+    return type("Eqn", (), {"primitive": eqn.primitive, "params": params})()
+
+
 def bind_params_call(eqn: Any, invals: list[Any], params: dict[str, Any]) -> list[Any]:
     """Bind `eqn`'s primitive on `invals` with `params` (raw equation params, edited)."""
-    fake = type("Eqn", (), {"primitive": eqn.primitive, "params": params})()
-    return bind(fake, invals)
+    return bind(with_params(eqn, params), invals)
 
 
 def subjaxprs(eqn: Any) -> list[Any]:

@@ -66,7 +66,9 @@ class Plan:
         `{"policy": name in jremat.policies, "nest": k}`: the body runs under
         `jax.checkpoint(policy)` (one decision for every iteration); with `nest` = k > 1 the
         loop becomes an outer scan of length/k over checkpointed inner scans of k steps
-        (sqrt(L) nesting).
+        (sqrt(L) nesting). `{"pieces": [{"length": n1, "policy": p1, "nest": 1}, ...]}`:
+        the loop is split into consecutive scans, the first n1 iterations under p1 and so on
+        (a policy "keep" leaves its iterations unrematerialized); see `jremat.mixing`.
     """
 
     segments: list[Segment]
@@ -169,6 +171,15 @@ class Plan:
             f"{'seg':>4} {'eqns':>11} {'policy':>16} {'saved':>6} {'stored MiB':>11} "
             f"{'transient MiB':>14} {'recompute GFLOP':>16}  source",
         ]
+        for index, cfg in self.scans.items():
+            pieces = cfg.get("pieces") or [dict(cfg, length=None)]
+            shown = ", ".join(
+                (f"{p['length']} iterations " if p["length"] else "every iteration ")
+                + f"under {p['policy']}"
+                + (f" nested by {p['nest']}" if p.get("nest", 1) > 1 else "")
+                for p in pieces
+            )
+            lines.append(f"{'':>4} scan at equation {index}: {shown}")
         for i, s in enumerate(self.segments):
             src = s.source
             lines.append(

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import json
 import math
 import time
 from collections.abc import Callable, Sequence
@@ -19,6 +20,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from . import mixing
 from .budget import Budget, parse_budget
 from .errors import InfeasibleBudgetError
 from .measure import compile_step, scan_flops_correction, xla_flops
@@ -309,6 +311,8 @@ def solve(
             if (hi - lo) / hi < 0.005:
                 break
         model_budget = max(nxt, model_min)
+    # mixes of the compiled recipes (some layers or scan iterations under each of two)
+    mixing.search(prog, target, best[0])
     # a plan compiled for another budget on this program may fit this one more cheaply
     for p, c in prog.tried:
         if c.temp_bytes <= target and c.flops < best[0]:
@@ -316,12 +320,14 @@ def solve(
     _, chosen, c = best
     chosen = prog.record(chosen, c)
     chosen.notes.extend(log)
-    chosen.predicted_temp_bytes = int(
-        min_c.temp_bytes + (chosen.predicted_temp_bytes - model_min) / max(slope, 1e-9)
-    )
-    chosen.notes.append(
-        f"calibrated: compiled = {min_c.temp_bytes:,} + (model - {model_min:,.0f}) / {slope:.3f}"
-    )
+    model = planner.predict(chosen)
+    if model is not None:
+        # the cost model's bytes mapped back to compiled bytes through the anchors
+        chosen.predicted_temp_bytes = int(np.interp(model, ys, xs))
+        chosen.notes.append(
+            f"calibrated through {len(xs)} compiled anchors: model {model:,.0f} -> "
+            f"{chosen.predicted_temp_bytes:,} bytes"
+        )
     return _finish(chosen, meta, solver, prog.graph)
 
 
@@ -332,7 +338,7 @@ def _key(p: Plan | None) -> str:
     segs = ";".join(
         f"{s.start}:{s.end}:{s.policy}:{','.join(map(str, s.saved))}" for s in p.segments
     )
-    return f"{segs}|{sorted((k, tuple(sorted(v.items()))) for k, v in p.scans.items())}"
+    return f"{segs}|{json.dumps(p.scans, sort_keys=True)}"
 
 
 def _finish(p: Plan, meta: dict, solver: str, graph: Graph) -> Plan:

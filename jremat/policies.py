@@ -92,12 +92,52 @@ def save_dots_in_size_range(min_bytes: int = 0, max_bytes: float = math.inf) -> 
     return policy
 
 
+#: Transcendental elementwise primitives: several FLOPs per element to recompute (and, on
+#: accelerators, slow special-function units), so worth saving before cheap arithmetic.
+TRANSCENDENTALS = frozenset(
+    {
+        "exp",
+        "exp2",
+        "expm1",
+        "log",
+        "log1p",
+        "tanh",
+        "logistic",
+        "erf",
+        "erf_inv",
+        "sin",
+        "cos",
+        "tan",
+        "atan2",
+        "pow",
+        "rsqrt",
+        "sqrt",
+        "cbrt",
+        "erfc",
+        "lgamma",
+        "digamma",
+    }
+)
+
+
+def dots_and_transcendentals_saveable(prim: Any, *_: Any, **__: Any) -> bool:
+    """Save matmul/conv results and transcendental elementwise results (exp, tanh, erf, log,
+    rsqrt ...); recompute only cheap arithmetic (adds, multiplies, selects, reductions).
+
+    Between `dots_saveable` and `everything_saveable`: it keeps softmax's `exp` and GELU's
+    `tanh`/`erf` too, so the backward pass recomputes only additions and multiplications.
+    """
+    name = getattr(prim, "name", str(prim))
+    return name in _DOTS or name in TRANSCENDENTALS
+
+
 _BUILTIN = {
     "everything_saveable": everything_saveable,
     "nothing_saveable": nothing_saveable,
     "dots_saveable": dots_saveable,
     "checkpoint_dots": checkpoint_dots,
     "dots_with_no_batch_dims_saveable": dots_with_no_batch_dims_saveable,
+    "dots_and_transcendentals_saveable": dots_and_transcendentals_saveable,
 }
 _FACTORIES = {
     "save_only_these_names": lambda names=(): save_only_these_names(*names),

@@ -11,7 +11,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from . import _compat
 from .errors import PlanMismatchError
-from .plan import SAVE_NAMES, Plan, Segment
+from .plan import KEEP, SAVE_NAMES, Plan, Segment
 from .trace import Graph, build_graph, is_literal, signature
 
 
@@ -49,14 +49,31 @@ def _eval_nodes(
             env[o] = checkpoint_name(val, tag[o]) if o in tag else val
 
 
-def remat_scan(eqn: Any, invals: list[Any], policy: str = "nothing_saveable", nest: int = 1):
+def remat_scan(
+    eqn: Any,
+    invals: list[Any],
+    policy: str = "nothing_saveable",
+    nest: int = 1,
+    pieces: Sequence[dict] | None = None,
+):
     """Evaluate a `scan` equation with its body under `jax.checkpoint(policy)`.
 
     One decision applies to every iteration: each keeps its carry and what `policy` saves.
     With `nest` = k > 1 dividing the length, the loop runs as an outer scan of length/k whose
     checkpointed body is an inner scan of k steps (sqrt(L) nesting), so only every k-th carry
     is stored. `prevent_cse` is off: inside a loop it changes nothing (DESIGN.md).
+
+    With `pieces` (a list of `{"length": n, "policy": p, "nest": k}` whose lengths sum to the
+    scan's length), the loop is split into consecutive scans over slices of its `xs`, each
+    with its own body policy: the first n1 iterations under p1, the next n2 under p2, and so
+    on (in iteration order, so from the end of `xs` for a reverse scan); a piece's policy
+    "keep" runs its iterations without a checkpoint. Memory and recompute
+    then lie between the pure policies, in proportion to the lengths.
     """
+    if pieces:
+        return _remat_scan_pieces(eqn, invals, pieces)
+    if policy == KEEP:  # a piece of a split loop left as it was
+        return _compat.bind(eqn, invals)
     from jax.extend.core import ClosedJaxpr, jaxpr_as_fun
 
     from . import policies
@@ -96,6 +113,31 @@ def remat_scan(eqn: Any, invals: list[Any], policy: str = "nothing_saveable", ne
     else:
         carry_out, ys = jax.lax.scan(outer_body, list(carry), chunks)
     return [*carry_out, *[y.reshape((length,) + y.shape[2:]) for y in ys]]
+
+
+def _remat_scan_pieces(eqn: Any, invals: list[Any], pieces: Sequence[dict]) -> list[Any]:
+    length = int(eqn.params["length"])
+    lengths = [int(p["length"]) for p in pieces]
+    if sum(lengths) != length or min(lengths) < 1:
+        raise ValueError(f"scan pieces {lengths} must be positive and sum to its length {length}")
+    n_consts, n_carry = _compat.scan_partition(eqn)
+    consts, carry = invals[:n_consts], list(invals[n_consts : n_consts + n_carry])
+    xs = invals[n_consts + n_carry :]
+    reverse = bool(eqn.params.get("reverse"))
+    # piece i covers iterations [off, off + n); a reverse scan's iteration t reads xs[L-1-t]
+    ys_parts, off = [], 0
+    for piece, n in zip(pieces, lengths, strict=True):
+        lo, hi = (length - off - n, length - off) if reverse else (off, off + n)
+        piece_eqn = _compat.with_params(eqn, dict(eqn.params, length=n))
+        cfg = {k: v for k, v in piece.items() if k != "length"}
+        outs = remat_scan(piece_eqn, [*consts, *carry, *[x[lo:hi] for x in xs]], **cfg)
+        carry, ys = list(outs[:n_carry]), outs[n_carry:]
+        ys_parts.append(ys)
+        off += n
+    if reverse:
+        ys_parts = ys_parts[::-1]
+    ys = [jax.numpy.concatenate(parts) for parts in zip(*ys_parts, strict=True)]
+    return [*carry, *ys]
 
 
 def tied_checkpoint(

@@ -175,7 +175,10 @@ class ChainPlanner:
 
     def predict(self, plan: Plan) -> float | None:
         """Modelled peak of any plan whose cuts are candidates and whose policies map to an
-        option (`keep`, saved names, or a built-in the options mirror); None otherwise."""
+        option (`keep`, saved names, or a built-in the options mirror); None otherwise (also
+        for plans that rematerialize scans, which the segment model does not describe)."""
+        if plan.scans:
+            return None  # loop rematerialization is not in the segment model
         t = self.table
         index = {c: i for i, c in enumerate(t.cuts)}
         builtin = {

@@ -4,18 +4,20 @@ Checkmate (Jain et al., "Checkmate: Breaking the Memory Wall with Optimal Tensor
 Rematerialization", MLSys 2020) states rematerialization as an integer program and solves it
 exactly. jremat's decision space is segments with save sets (what `jax.checkpoint` can
 express), so the program here is Checkmate's idea on that space: binary x[k, a, b] = "segment
-(a, b) is taken with option k", a path from the first cut to the last, and continuous S[c] =
-bytes stored before cut c:
+(a, b) is taken with option k", a path from the first cut to the last, and S[c] = bytes stored
+before cut c, which on a path is a linear expression of x (the segments that end at or before c):
 
     min  sum flops[k,a,b] x[k,a,b]
     s.t. flow: one segment leaves cut 0, one enters the last cut, in = out at every other cut
-         S[b] >= S[a] + stored[k,a,b] - B (1 - x[k,a,b])       (stores accumulate; 0 <= S <= B)
+         S[c] = sum_{k, a' < b' <= c} stored[k,a',b'] x[k,a',b']
          S[a] + (stored[k,a,b] + transient[k,a,b]) x[k,a,b] <= B  (peak within the budget)
 
-It is the chain DP's model solved without memory discretization, so its objective is the
-optimum of that model: the reference for the heuristics. HiGHS (`highspy`) solves it under a
-time limit, starting from the best heuristic plan (chain DP, greedy) as incumbent, and reports
-the optimality gap (the big-M relaxation is weak, so the gap often stays open at the limit).
+The peak row is exact when x = 1 and reads S[a] <= B when x = 0, which every feasible plan
+satisfies anyway; so there is no big-M and the LP relaxation is tight enough for HiGHS to
+prove optimality on layer-level graphs within a second. It is the chain DP's model solved
+without memory discretization, so its objective is the optimum of that model: the reference
+for the heuristics. HiGHS (`highspy`) solves it under a time limit, starting from the best
+heuristic plan (chain DP, greedy) as incumbent, and reports the optimality gap.
 """
 
 from __future__ import annotations
@@ -79,17 +81,24 @@ class MILPPlanner(GreedyPlanner):
         nvar = E + m  # x per edge, then S per cut
         cost = np.zeros(nvar)
         cost[:E] = [t.flops[k, a, b] for k, a, b in edges]
-        rows = 2 * E + m
+        rows = E + 2 * m
         A = lil_matrix((rows, nvar))
         lo, hi = np.full(rows, -highspy.kHighsInf), np.zeros(rows)
         r = 0
         for i, (k, a, b) in enumerate(edges):
-            st, tr = t.stored[k, a, b], t.transient[k, a, b]
-            A[r, E + a], A[r, E + b], A[r, i] = 1.0, -1.0, st + model_budget
-            hi[r] = model_budget  # S[b] >= S[a] + stored - B (1 - x)
-            A[r + 1, E + a], A[r + 1, i] = 1.0, st + tr
-            hi[r + 1] = model_budget  # S[a] + (stored + transient) x <= B
-            r += 2
+            A[r, E + a], A[r, i] = 1.0, t.stored[k, a, b] + t.transient[k, a, b]
+            hi[r] = model_budget  # S[a] + (stored + transient) x <= B
+            r += 1
+        ends_by = [[] for _ in range(m)]
+        for i, (k, a, b) in enumerate(edges):
+            ends_by[b].append((i, t.stored[k, a, b]))
+        for cut in range(m):  # S[c] - sum of stores of segments ending at or before c = 0
+            A[r, E + cut] = 1.0
+            for b in range(cut + 1):
+                for i, st in ends_by[b]:
+                    A[r, i] -= st
+            lo[r] = hi[r] = 0.0
+            r += 1
         for cut in range(m):  # flow: out - in = 1 at the source, -1 at the sink, else 0
             for i, (_, a, b) in enumerate(edges):
                 if a == cut:
@@ -166,10 +175,11 @@ class MILPPlanner(GreedyPlanner):
                 if i is None:
                     break
                 x[i] = 1.0
-                x[len(edges) + a] = running
+                x[len(edges) + a : len(edges) + b] = running  # S at the cuts inside it
                 running += t.stored[k, a, b]
                 cost += t.flops[k, a, b]
             else:
+                x[-1] = running
                 if cost < best_cost:
                     best, best_cost = x, cost
         return best

@@ -1,0 +1,81 @@
+"""Mixes of compiled recipes (`jremat.mixing`) and split scans (`remat_scan(pieces=...)`):
+exact gradients, memory between the pure policies, and a search that beats the best fitting
+pure recipe on budgets between two of them."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import models as M  # noqa: E402  (tests/ is on sys.path via conftest)
+import pytest
+
+import jremat
+from jremat import mixing
+from jremat.planning import Program
+
+
+def _scan_program(reverse: bool):
+    k1, k2 = jax.random.split(jax.random.PRNGKey(0))
+    w = jax.random.normal(k1, (8, 64, 64)) / 8
+    x = jax.random.normal(k2, (256, 64))
+
+    def loss(w, x):
+        def body(c, wi):
+            return c + jnp.tanh(c @ wi), jnp.sin(c).sum(0)
+
+        c, ys = jax.lax.scan(body, x, w, reverse=reverse)
+        return jnp.mean(c**2) + 1e-3 * jnp.sum(ys * jnp.arange(8.0)[:, None])
+
+    return loss, (w, x)
+
+
+@pytest.mark.parametrize("reverse", [False, True])
+def test_split_scan_has_exact_gradients_and_memory_between_its_pieces(reverse):
+    loss, args = _scan_program(reverse)
+    prog = Program(loss, args, 0)
+    want = jax.grad(loss)(*args)
+    temps = {}
+    for k in (0, 4, 8):  # k iterations under nothing_saveable, the rest kept
+        plan = mixing.scan_mix_plan(prog.graph, "nothing_saveable", "keep", k)
+        temps[k] = prog.compile(plan).temp_bytes
+        got = jax.grad(jremat.rematerialize(loss, plan))(*args)
+        M.assert_trees_close(got, want, rtol=1e-6)
+    assert temps[0] == prog.baseline.temp_bytes  # all kept: the program as it was
+    assert temps[8] < temps[4] < temps[0]
+
+
+def test_split_scan_survives_json():
+    loss, args = _scan_program(False)
+    prog = Program(loss, args, 0)
+    plan = mixing.scan_mix_plan(prog.graph, "nothing_saveable", "dots_saveable", 3)
+    again = jremat.Plan.from_json(plan.to_json())
+    assert again.scans == plan.scans
+    assert prog.compile(again).temp_bytes == prog.compile(plan).temp_bytes
+
+
+def test_layer_mix_has_exact_gradients():
+    m = M.MODELS["mlp_chain"]()
+    prog = Program(m.loss, m.args, 0)
+    n = len(jremat.planning.layer_segments(prog.graph))
+    plan = mixing.layer_mix_plan(prog.graph, ["nothing_saveable"] * 2 + ["keep"] * (n - 2))
+    got = jax.grad(jremat.rematerialize(m.loss, plan))(*m.args)
+    M.assert_trees_close(got, jax.grad(m.loss)(*m.args), rtol=1e-5)
+    pure = prog.compile(mixing.layer_mix_plan(prog.graph, ["nothing_saveable"] * n))
+    assert pure.temp_bytes < prog.compile(plan).temp_bytes < prog.baseline.temp_bytes
+
+
+def test_search_beats_the_best_fitting_pure_recipe_between_two():
+    loss, args = _scan_program(False)
+    prog = Program(loss, args, 0)
+    lo = prog.compile(mixing.scan_mix_plan(prog.graph, "nothing_saveable", "keep", 8))
+    target = (lo.temp_bytes + prog.baseline.temp_bytes) / 2
+    mixing.search(prog, target, best_flops=lo.flops)
+    fits = [c for p, c in prog.tried if c.temp_bytes <= target and p.solver.startswith("mix:")]
+    assert fits and min(c.flops for c in fits) < lo.flops
+
+
+def test_search_skips_when_interpolation_cannot_beat_what_fits():
+    loss, args = _scan_program(False)
+    prog = Program(loss, args, 0)
+    mixing.search(prog, 0.9 * prog.baseline.temp_bytes, best_flops=0.0)
+    assert not any(p.notes and p.notes[-1].startswith("mix:") for p, _ in prog.tried)
