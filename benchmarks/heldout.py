@@ -110,7 +110,38 @@ def model_rows(name: str, budgets) -> tuple[list[str], list[float], list[str]]:
             + " |"
         )
         print(lines[-1], flush=True)
+    lines.append(calibration_row(name, prog))
     return lines, ratios, failures
+
+
+def calibration_row(name: str, prog: Program) -> str:
+    """Leave-one-out error of the calibrated cost model on every compiled plan it describes:
+    each plan's temp is predicted from the model's bytes mapped through the other compiled
+    plans (piecewise linear, as `planning.solve` calibrates), then compared with XLA's."""
+    import numpy as np
+
+    planner = prog.planner("chain", 160)
+    pts = {(planner.no_remat_peak(), prog.baseline.temp_bytes)}
+    for p, c in prog.tried:
+        m = planner.predict(p)
+        if m is not None:
+            pts.add((m, c.temp_bytes))
+    pts = sorted(pts)
+    errs = []
+    for i, (m, real) in enumerate(pts):
+        others = pts[:i] + pts[i + 1 :]
+        if len(others) < 2:
+            continue
+        xs = np.array([o[0] for o in others])
+        ys = np.maximum.accumulate(np.array([o[1] for o in others], dtype=float))
+        errs.append(abs(float(np.interp(m, xs, ys)) / real - 1))
+    if not errs:
+        return f"| {name} | calibration | too few compiled plans | - | - |"
+    within = sum(e <= 0.15 for e in errs) / len(errs)
+    return (
+        f"| {name} | calibration | leave-one-out temp error over {len(errs)} compiled plans: "
+        f"median {100 * float(np.median(errs)):.1f}%, {100 * within:.0f}% within 15% | - | - |"
+    )
 
 
 def milp_rows(name: str, budgets) -> list[str]:

@@ -16,7 +16,7 @@ per-layer choices would give on a chain of identical layers.
 
 from __future__ import annotations
 
-import math
+import itertools
 from collections.abc import Callable
 from typing import Any
 
@@ -55,23 +55,25 @@ def layer_mix_plan(graph: Any, policies: list[str]) -> Plan:
             merged[-1].end = seg.end
         else:
             merged.append(seg)
-    mix = sorted(set(policies), key=UNIT_POLICIES.index)
-    return Plan(merged, graph.fingerprint, graph.num_nodes, solver="mix:" + "+".join(mix))
+    return Plan(merged, graph.fingerprint, graph.num_nodes, solver=_label(policies))
 
 
-def scan_mix_plan(graph: Any, low: str, high: str, k: int) -> Plan:
-    """The unchanged program with every top-level scan split: its first k iterations under
-    `low`, the rest under `high` (k clipped to each scan's length)."""
+def scan_mix_plan(graph: Any, policies: list[str]) -> Plan:
+    """The unchanged program with every top-level scan split into consecutive pieces: its
+    iteration i under `policies[i]` (a built-in policy name or "keep"), runs of one policy
+    forming one piece. A scan shorter than the list takes its first entries."""
     plan = Plan.identity(graph)
-    plan.solver = f"mix:scan:{low}+{high}"
+    plan.solver = _label(policies, "scan")
     for node in graph.nodes:
         if node.primitive != "scan":
             continue
         length = int(node.eqn.params["length"])
-        kk = min(max(k, 0), length)
-        pieces = [
-            {"length": n, "policy": p, "nest": 1} for n, p in ((kk, low), (length - kk, high)) if n
-        ]
+        pieces: list[dict] = []
+        for pol in policies[:length]:
+            if pieces and pieces[-1]["policy"] == pol:
+                pieces[-1]["length"] += 1
+            else:
+                pieces.append({"length": 1, "policy": pol, "nest": 1})
         if len(pieces) == 1 and pieces[0]["policy"] == KEEP:
             continue  # the loop as it was
         plan.scans[str(node.index)] = (
@@ -80,34 +82,48 @@ def scan_mix_plan(graph: Any, low: str, high: str, k: int) -> Plan:
     return plan
 
 
-def _families(prog: Any) -> list[tuple[int, Callable[[str, str, int], Plan]]]:
-    """(number of units, plan builder(low policy, high policy, k)) for each way to mix."""
+def _label(policies: list[str], kind: str = "layers") -> str:
+    used = sorted(set(policies), key=UNIT_POLICIES.index)
+    return f"mix:{kind}:" + "+".join(used)
+
+
+def _families(prog: Any) -> list[tuple[int, Callable[[list[str]], Plan]]]:
+    """(number of units, plan builder from per-unit policies) for each way to mix."""
     from .planning import layer_segments
 
     graph = prog.graph
-    out = []
-    spans = layer_segments(graph)
-    if len(spans) > 1:
-        n = len(spans)
-        out.append((n, lambda lo, hi, k: layer_mix_plan(graph, [lo] * k + [hi] * (n - k))))
+    out: list[tuple[int, Callable[[list[str]], Plan]]] = []
+    if len(layer_segments(graph)) > 1:
+        out.append((len(layer_segments(graph)), lambda pols: layer_mix_plan(graph, pols)))
     lengths = [int(nd.eqn.params["length"]) for nd in graph.nodes if nd.primitive == "scan"]
     if lengths and max(lengths) > 1:
-        out.append((max(lengths), lambda lo, hi, k: scan_mix_plan(graph, lo, hi, k)))
+        out.append((max(lengths), lambda pols: scan_mix_plan(graph, pols)))
     return out
 
 
-def _best_pair(points: list[tuple[int, float, str]], target: float):
-    """The two recipes (A above `target`, B at or below it, B recomputing more) whose
-    interpolation at `target` has the fewest FLOPs, as ((temp, flops, policy), (...)); None
-    when no pair brackets the target."""
-    best, best_flops = None, math.inf
-    for a in points:
-        for b in points:
-            if not (a[0] > target >= b[0] and a[1] < b[1]):
-                continue
-            flops = a[1] + (a[0] - target) / (a[0] - b[0]) * (b[1] - a[1])
-            if flops < best_flops:
-                best, best_flops = (a, b), flops
+def compositions(units: int, n_policies: int, max_distinct: int = 3):
+    """Every way to give `units` units to `n_policies` policies (counts per policy, summing to
+    `units`) using at most `max_distinct` of them: tuples of length `n_policies`."""
+    for chosen in itertools.combinations(range(n_policies), min(max_distinct, n_policies)):
+        for cuts in itertools.combinations_with_replacement(range(units + 1), len(chosen) - 1):
+            bounds = (0, *cuts, units)
+            counts = [0] * n_policies
+            for i, p in enumerate(chosen):
+                counts[p] = bounds[i + 1] - bounds[i]
+            yield tuple(counts)
+
+
+def _cheapest(points, units: int, target: float, best_flops: float, skip: set):
+    """The composition with the fewest interpolated FLOPs whose interpolated temp is at most
+    `target`, as (counts, temp, flops); None when none beats `best_flops`."""
+    best = None
+    for counts in set(compositions(units, len(points))):
+        if counts in skip:
+            continue
+        temp = sum(n * p[0] for n, p in zip(counts, points, strict=True)) / units
+        flops = sum(n * p[1] for n, p in zip(counts, points, strict=True)) / units
+        if temp <= target and flops < best_flops and (best is None or flops < best[2]):
+            best = (counts, temp, flops)
     return best
 
 
@@ -115,37 +131,38 @@ def search(prog: Any, target: float, best_flops: float, max_compiles: int = 3) -
     """Compile mixes that may fit `target` temp bytes with fewer FLOPs than `best_flops`.
 
     Every compiled mix lands in `prog.tried`, from which `planning.solve` takes the cheapest
-    plan that fits. For each family the pure recipes are compiled (once per program), the two
-    whose interpolation at `target` is cheapest are mixed with k units on the low-memory
-    one, and k is corrected by secant steps on the compiled temp, `max_compiles` at most.
+    plan that fits. For each family the pure recipes (`UNIT_POLICIES` on every unit) are
+    compiled once per program; a mix is a count of units per policy (at most three policies),
+    predicted by interpolating the pure recipes' compiled temp and FLOPs. The cheapest mix
+    predicted to fit is compiled; when XLA's temp misses the prediction, the target the
+    prediction must meet moves by the miss and the next cheapest is tried, `max_compiles` at
+    most per family. Units take the lower-memory policies first.
     """
     for units, build in _families(prog):
         points = []
         for pol in UNIT_POLICIES:
-            c = prog.compile(build(pol, pol, units))
-            points.append((c.temp_bytes, c.flops, pol))
-        pair = _best_pair(points, target)
-        if pair is None:
-            continue
-        (ta, fa, pa), (tb, fb, pb) = pair
-        per_unit = (ta - tb) / units
-        if fa + math.ceil((ta - target) / per_unit) / units * (fb - fa) >= best_flops:
-            continue  # even the interpolation would not beat what fits already
-        k = min(units - 1, max(1, math.ceil((ta - target) / per_unit)))
-        lo_fit = units  # smallest k known to fit (all units on B fits: tb <= target)
+            c = prog.compile(build([pol] * units))
+            points.append((c.temp_bytes, c.flops))
+        aim, seen = target, set()
         for _ in range(max_compiles):
-            mix = build(pb, pa, k)
-            # the interpolation between the two compiled recipes is the mix's prediction
-            mix.predicted_temp_bytes = int(ta - k * per_unit)
-            mix.recompute_flops = max(fa + k / units * (fb - fa) - prog.baseline.flops, 0.0)
-            mix.notes.append(f"mix: {k} of {units} units under {pb}, the rest under {pa}")
+            found = _cheapest(points, units, aim, best_flops, seen)
+            if found is None:
+                break
+            counts, temp, flops = found
+            seen.add(counts)
+            order = sorted(range(len(points)), key=lambda i: points[i][0])
+            policies = [UNIT_POLICIES[i] for i in order for _ in range(counts[i])]
+            mix = build(policies)
+            mix.predicted_temp_bytes = int(temp)
+            mix.recompute_flops = max(flops - prog.baseline.flops, 0.0)
+            mix.notes.append(
+                "mix: "
+                + ", ".join(f"{n} x {UNIT_POLICIES[i]}" for i in order if (n := counts[i]))
+                + f" of {units} units"
+            )
             c = prog.compile(mix)
             if c.temp_bytes <= target:
-                lo_fit = min(lo_fit, k)
-                if target - c.temp_bytes < per_unit or k <= 1:
-                    break
-                k -= max(1, int((target - c.temp_bytes) // per_unit))
-            else:
-                k += max(1, math.ceil((c.temp_bytes - target) / per_unit))
-            if k >= lo_fit:
-                break
+                best_flops = min(best_flops, c.flops)
+            # the interpolation missed XLA by (compiled - predicted): aim the next one so that
+            # the same miss still fits
+            aim = target - (c.temp_bytes - temp)

@@ -320,7 +320,7 @@ def solve(
     _, chosen, c = best
     chosen = prog.record(chosen, c)
     chosen.notes.extend(log)
-    model = planner.predict(chosen)
+    model = None if chosen.solver.startswith("mix:") else planner.predict(chosen)
     if model is not None:
         # the cost model's bytes mapped back to compiled bytes through the anchors
         chosen.predicted_temp_bytes = int(np.interp(model, ys, xs))

@@ -36,7 +36,7 @@ def test_split_scan_has_exact_gradients_and_memory_between_its_pieces(reverse):
     want = jax.grad(loss)(*args)
     temps = {}
     for k in (0, 4, 8):  # k iterations under nothing_saveable, the rest kept
-        plan = mixing.scan_mix_plan(prog.graph, "nothing_saveable", "keep", k)
+        plan = mixing.scan_mix_plan(prog.graph, ["nothing_saveable"] * k + ["keep"] * (8 - k))
         temps[k] = prog.compile(plan).temp_bytes
         got = jax.grad(jremat.rematerialize(loss, plan))(*args)
         M.assert_trees_close(got, want, rtol=1e-6)
@@ -47,7 +47,7 @@ def test_split_scan_has_exact_gradients_and_memory_between_its_pieces(reverse):
 def test_split_scan_survives_json():
     loss, args = _scan_program(False)
     prog = Program(loss, args, 0)
-    plan = mixing.scan_mix_plan(prog.graph, "nothing_saveable", "dots_saveable", 3)
+    plan = mixing.scan_mix_plan(prog.graph, ["nothing_saveable"] * 3 + ["dots_saveable"] * 5)
     again = jremat.Plan.from_json(plan.to_json())
     assert again.scans == plan.scans
     assert prog.compile(again).temp_bytes == prog.compile(plan).temp_bytes
@@ -67,15 +67,24 @@ def test_layer_mix_has_exact_gradients():
 def test_search_beats_the_best_fitting_pure_recipe_between_two():
     loss, args = _scan_program(False)
     prog = Program(loss, args, 0)
-    lo = prog.compile(mixing.scan_mix_plan(prog.graph, "nothing_saveable", "keep", 8))
+    lo = prog.compile(mixing.scan_mix_plan(prog.graph, ["nothing_saveable"] * 8))
     target = (lo.temp_bytes + prog.baseline.temp_bytes) / 2
     mixing.search(prog, target, best_flops=lo.flops)
     fits = [c for p, c in prog.tried if c.temp_bytes <= target and p.solver.startswith("mix:")]
     assert fits and min(c.flops for c in fits) < lo.flops
 
 
+def test_compositions_cover_every_split_with_at_most_three_policies():
+    got = set(mixing.compositions(4, 5))
+    assert all(sum(c) == 4 and sum(n > 0 for n in c) <= 3 for c in got)
+    assert (2, 0, 1, 0, 1) in got and (4, 0, 0, 0, 0) in got
+    assert (1, 1, 1, 1, 0) not in got
+    # all C(8, 4) = 70 compositions of 4 into 5 parts but the 5 with four non-zero parts
+    assert len(got) == 65
+
+
 def test_search_skips_when_interpolation_cannot_beat_what_fits():
     loss, args = _scan_program(False)
     prog = Program(loss, args, 0)
     mixing.search(prog, 0.9 * prog.baseline.temp_bytes, best_flops=0.0)
-    assert not any(p.notes and p.notes[-1].startswith("mix:") for p, _ in prog.tried)
+    assert not any(p.notes and p.notes[-1].startswith("mix: ") for p, _ in prog.tried)
