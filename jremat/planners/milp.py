@@ -7,7 +7,7 @@ express), so the program here is Checkmate's idea on that space: binary x[k, a, 
 (a, b) is taken with option k", a path from the first cut to the last, and continuous S[c] =
 bytes stored before cut c:
 
-    min  sum flops[k,a,b] x[k,a,b]
+    min  sum cost[k,a,b] x[k,a,b]       (recompute FLOPs; offload transfers as FLOP-equivalents)
     s.t. flow: one segment leaves cut 0, one enters the last cut, in = out at every other cut
          S[b] >= S[a] + stored[k,a,b] - B (1 - x[k,a,b])       (stores accumulate; 0 <= S <= B)
          S[a] + (stored[k,a,b] + transient[k,a,b]) x[k,a,b] <= B  (peak within the budget)
@@ -78,7 +78,7 @@ class MILPPlanner(GreedyPlanner):
         E = len(edges)
         nvar = E + m  # x per edge, then S per cut
         cost = np.zeros(nvar)
-        cost[:E] = [t.flops[k, a, b] for k, a, b in edges]
+        cost[:E] = [t.cost[k, a, b] for k, a, b in edges]
         rows = 2 * E + m
         A = lil_matrix((rows, nvar))
         lo, hi = np.full(rows, -highspy.kHighsInf), np.zeros(rows)
@@ -168,7 +168,7 @@ class MILPPlanner(GreedyPlanner):
                 x[i] = 1.0
                 x[len(edges) + a] = running
                 running += t.stored[k, a, b]
-                cost += t.flops[k, a, b]
+                cost += t.cost[k, a, b]
             else:
                 if cost < best_cost:
                     best, best_cost = x, cost
