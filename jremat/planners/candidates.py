@@ -350,7 +350,7 @@ def segment_table(
     upper = np.triu(np.ones((m, m), dtype=bool), k=1)
     for arr in (stored, transient, flops):
         arr[:, ~upper] = np.inf
-    cost = flops + (offloaded * offload.flops_per_byte if offload is not None else 0.0)
+    cost = flops if offload is None else flops + offloaded * offload.flops_per_byte
     return SegmentTable(cuts, names, stored, transient, flops, offloaded, cost, offload)
 
 
