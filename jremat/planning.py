@@ -407,6 +407,11 @@ def offload_proxy(p: Plan) -> Plan:
 
 def _finish(p: Plan, meta: dict, solver: str, graph: Graph) -> Plan:
     p.annotate(graph)
+    if p.offloaded_bytes and p.measured_temp_bytes is None and not host_offload_effective():
+        p.notes.append(
+            f"host offload has no memory effect on backend {jax.default_backend()!r}: this "
+            "plan's offloads free device memory only where pinned host memory exists"
+        )
     p.budget, p.budget_temp_bytes = meta["budget"], meta["budget_temp_bytes"]
     p.notes.append(f"solver={solver!r}")
     return p

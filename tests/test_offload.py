@@ -17,7 +17,7 @@ from jremat import OffloadCost
 from jremat.budget import parse_budget
 from jremat.offload import host_offload_effective, parse_offload
 from jremat.plan import KEEP, SAVE_NAMES, Plan, Segment
-from jremat.planners import ChainPlanner, GreedyPlanner
+from jremat.planners import ChainPlanner, DTRPlanner, GreedyPlanner
 from jremat.planners.chain import within_budget
 from jremat.planning import Program, offload_proxy, solve
 
@@ -199,12 +199,15 @@ def test_offload_frees_device_memory(prog):
     M.assert_trees_close(got, jax.grad(m.loss)(*m.args), rtol=1e-5)
 
 
-def test_greedy_takes_offload_only_when_fast(prog):
+def test_greedy_takes_offload_only_when_fast_and_dtr_never(prog):
     _, p = prog
     fast, slow = GreedyPlanner(p.graph, offload=FAST), GreedyPlanner(p.graph, offload=SLOW)
     tight = fast.min_memory_plan().predicted_temp_bytes * 1.05
     assert fast.plan(tight).offloaded_bytes > 0
     assert slow.plan(tight).offloaded_bytes == 0
+    dtr = DTRPlanner(p.graph, offload=FAST)
+    assert "offload_dots" not in dtr.table.options
+    assert dtr.min_memory_plan().offloaded_bytes == 0
 
 
 def test_bad_offload_arguments():
@@ -219,3 +222,11 @@ def test_bad_offload_arguments():
     m = M.mlp_chain(depth=2)
     with pytest.raises(TypeError, match="offload"):
         jremat.plan(m.loss, *m.args, budget=0.5, offload=1e9)
+
+
+def test_unverified_offload_plan_says_cpu_cannot_confirm(prog):
+    _, p = prog
+    plan = solve(p, parse_budget(0.5), solver="chain", verify=False, offload=FAST)
+    assert plan.offloaded_bytes > 0 and plan.measured_temp_bytes is None
+    on_cpu_note = any("no memory effect" in n for n in plan.notes)
+    assert on_cpu_note == (not host_offload_effective())
