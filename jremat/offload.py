@@ -19,10 +19,14 @@ Measured on CPU (XLA:CPU, 2 cores), jax 0.10.2 and jax 0.12.0.1 alike, with an 8
 * `jax.devices()[0]` on CPU lists a `pinned_host` memory space, yet the lowered StableHLO
   carries no placement (no `pinned_host`, no `annotate_device_placement`): on CPU the
   offload is accepted and has no memory effect. Compiled temp bytes equal those of saving
-  the same values on the device (68.0 MiB on jax 0.12 and on jax 0.10 with `jax.checkpoint`;
-  64.0 MiB on jax 0.10 with `tied_checkpoint`, the same as saving them there), compiled FLOPs
-  equal those of saving them (2.47e10, vs 3.33e10 for recomputing them with
-  `nothing_saveable`), and every `memory_analysis()` `host_*_size_in_bytes` field is 0.
+  the same values on the device (68.0 MiB on jax 0.12 either way and on jax 0.10 with
+  `jax.checkpoint`; 64.0 MiB on jax 0.10 with `tied_checkpoint`, as saving them there; no
+  remat 68.0, `nothing_saveable` 40.0), compiled FLOPs are those of not recomputing them
+  (2.47e10, vs 3.33e10 with `nothing_saveable`), and every `memory_analysis()`
+  `host_*_size_in_bytes` field is 0. In `tests/test_offload.py` (the 10-layer MLP chain of
+  `tests/models.py`, jax 0.10) the offload plan the chain DP makes at 40% of the modelled
+  peak compiles to the temp bytes of saving its offloaded values instead, and the proxy
+  below to fewer.
 * So the device memory an offload plan would have on a backend with pinned host memory
   cannot be compiled on CPU. `host_offload_effective` tells the two cases apart by lowering a
   tiny offloading function and looking for the placement in its StableHLO.
