@@ -12,6 +12,7 @@ from .errors import InfeasibleBudgetError, PlanMismatchError
 from .explain import ExplainRow, Explanation, explain
 from .measure import Measurement, measure
 from .microbatching import microbatch
+from .offload import OffloadCost
 from .plan import Plan, Segment
 from .planning import plan
 from .rewrite import rematerialize
@@ -27,6 +28,7 @@ __all__ = [
     "Graph",
     "InfeasibleBudgetError",
     "Measurement",
+    "OffloadCost",
     "Plan",
     "PlanMismatchError",
     "Segment",

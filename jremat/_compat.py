@@ -129,3 +129,10 @@ def name_stack(eqn: Any) -> str:
         return str(eqn.source_info.name_stack)
     except Exception:  # noqa: BLE001
         return ""
+
+
+def in_host_memory(x: Any) -> bool:
+    """Whether traced value `x` lives in host memory (an offloaded residual: its aval's
+    `memory_space` is `MemorySpace.Host`, jax 0.10 and 0.12 alike)."""
+    space = getattr(getattr(x, "aval", None), "memory_space", None)
+    return space is not None and str(space).rsplit(".", 1)[-1].lower() == "host"

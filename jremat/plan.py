@@ -25,7 +25,11 @@ class Segment:
         only the values in `saved`), or the name of a policy in `jremat.policies` (for example
         `"dots_saveable"`), applied with `jax.checkpoint` to the segment.
       saved: value ids tagged with `checkpoint_name` and saved (policy `"names"` only).
-      stored_bytes: predicted bytes this segment keeps from forward to backward.
+      offloaded: value ids tagged with `checkpoint_name` and offloaded to pinned host memory
+        between the forward and backward pass (policy `"names"` only; see `jremat.offload`).
+        Empty in plans made without `offload=`, and in plans saved before the field existed.
+      stored_bytes: predicted bytes this segment keeps on the device from forward to backward
+        (offloaded values excluded).
       transient_bytes: predicted bytes live while its backward pass runs (recompute included).
       recompute_flops: predicted FLOPs its backward pass recomputes.
       source: layer name and first .. last source line of its equations (for `summary`).
@@ -39,6 +43,7 @@ class Segment:
     transient_bytes: int = 0
     recompute_flops: float = 0.0
     source: str = ""
+    offloaded: list[int] = dataclasses.field(default_factory=list)
 
     @property
     def checkpointed(self) -> bool:
@@ -58,6 +63,8 @@ class Plan:
       budget_temp_bytes: that budget translated to XLA temp bytes, or None.
       predicted_temp_bytes: the planner's calibrated prediction of compiled temp bytes.
       recompute_flops: predicted FLOPs recomputed in the backward pass.
+      offloaded_bytes: predicted bytes the plan offloads to pinned host memory (each copied to
+        host in the forward pass and back in the backward pass); 0 without offload.
       measured_temp_bytes: compiled temp bytes when the plan was verified, else None.
       measured_flops: compiled FLOPs of `value_and_grad` when verified, else None.
       baseline_temp_bytes: compiled temp bytes of the unrematerialized program, when known.
@@ -84,6 +91,7 @@ class Plan:
     baseline_temp_bytes: int | None = None
     notes: list[str] = dataclasses.field(default_factory=list)
     scans: dict[str, dict] = dataclasses.field(default_factory=dict)
+    offloaded_bytes: int = 0
 
     @property
     def is_identity(self) -> bool:
@@ -107,6 +115,11 @@ class Plan:
         for s in self.segments:
             if s.start != pos or s.end <= s.start:
                 raise ValueError(f"plan segments must tile [0, {self.num_nodes}); bad {s}")
+            if s.offloaded and s.policy != SAVE_NAMES:
+                raise ValueError(
+                    f"segment {s.start}-{s.end} offloads values under policy {s.policy!r}; "
+                    f"offloaded values need policy {SAVE_NAMES!r}"
+                )
             pos = s.end
         if pos != self.num_nodes:
             raise ValueError(f"plan segments end at {pos}, the graph has {self.num_nodes} nodes")
@@ -167,7 +180,12 @@ class Plan:
                 if self.measured_temp_bytes is not None
                 else ""
             )
-            + f", recompute {self.recompute_flops / 1e9:.4g} GFLOP",
+            + f", recompute {self.recompute_flops / 1e9:.4g} GFLOP"
+            + (
+                f", offloads {self.offloaded_bytes / mib:.2f} MiB to host"
+                if self.offloaded_bytes
+                else ""
+            ),
             f"{'seg':>4} {'eqns':>11} {'policy':>16} {'saved':>6} {'stored MiB':>11} "
             f"{'transient MiB':>14} {'recompute GFLOP':>16}  source",
         ]
@@ -183,7 +201,8 @@ class Plan:
         for i, s in enumerate(self.segments):
             src = s.source
             lines.append(
-                f"{i:>4} {f'{s.start}-{s.end - 1}':>11} {s.policy:>16} {len(s.saved):>6} "
+                f"{i:>4} {f'{s.start}-{s.end - 1}':>11} "
+                f"{s.policy + ('+offload' if s.offloaded else ''):>16} {len(s.saved):>6} "
                 f"{s.stored_bytes / mib:>11.2f} {s.transient_bytes / mib:>14.2f} "
                 f"{s.recompute_flops / 1e9:>16.4g}  {src}"
             )
@@ -192,4 +211,10 @@ class Plan:
                     f"{graph.values[v].dtype}{list(graph.values[v].shape)}" for v in s.saved[:6]
                 )
                 lines.append(f"{'':>4} saves: {shown}{' ...' if len(s.saved) > 6 else ''}")
+            if graph is not None and s.offloaded:
+                shown = ", ".join(
+                    f"{graph.values[v].dtype}{list(graph.values[v].shape)}" for v in s.offloaded[:6]
+                )
+                more = " ..." if len(s.offloaded) > 6 else ""
+                lines.append(f"{'':>4} offloads to host: {shown}{more}")
         return "\n".join(lines)

@@ -24,6 +24,7 @@ from . import mixing
 from .budget import Budget, parse_budget
 from .errors import InfeasibleBudgetError
 from .measure import compile_step, scan_flops_correction, xla_flops
+from .offload import OffloadCost, host_offload_effective, parse_offload
 from .plan import KEEP, Plan, Segment
 from .planners import PLANNERS
 from .planners.candidates import candidate_cuts, layer_spans
@@ -68,6 +69,10 @@ class Compiled:
     temp_bytes: int
     flops: float
     fixed_bytes: int  # argument + output - alias
+    #: for a plan that offloads on a backend where offloading has no memory effect (CPU): the
+    #: offload plan's own compiled temp bytes; `temp_bytes` is then that of the proxy plan
+    #: (offloaded values recomputed instead), see `jremat.offload`. None otherwise.
+    offload_temp_bytes: int | None = None
 
 
 class Program:
@@ -111,6 +116,13 @@ class Program:
                 flops += scan_flops_correction(f, self.args, self.nums)
             fixed = mem.argument_size_in_bytes + mem.output_size_in_bytes - mem.alias_size_in_bytes
             compiled = Compiled(int(mem.temp_size_in_bytes), flops, int(fixed))
+            if _offloads(plan) and not host_offload_effective():
+                # the offload is a no-op here: device memory from the proxy (module docstring
+                # of jremat.offload); FLOPs and executable stay the offload plan's own
+                proxy = self.compile(offload_proxy(plan))
+                compiled = dataclasses.replace(
+                    compiled, temp_bytes=proxy.temp_bytes, offload_temp_bytes=compiled.temp_bytes
+                )
             self._steps[key] = (compiled, exe, seconds)
             if plan is not None and not plan.is_identity:
                 self.tried.append((copy.deepcopy(plan), compiled))
@@ -122,15 +134,17 @@ class Program:
             self._baseline = self.compile(None)
         return self._baseline
 
-    def planner(self, solver: str, max_cuts: int):
-        """The planner for this graph (built once per solver)."""
-        kw = {}
+    def planner(self, solver: str, max_cuts: int, offload: OffloadCost | None = None):
+        """The planner for this graph (built once per solver, cut count and offload cost)."""
+        kw: dict[str, Any] = {}
         if solver == "auto":
             solver = "milp" if self.graph.num_nodes <= AUTO_MILP_MAX_NODES else "chain"
             kw = {"time_limit": AUTO_MILP_SECONDS} if solver == "milp" else {}
         if solver == "milp":
             max_cuts = min(max_cuts, 32)  # the MILP has O(max_cuts x span x options) binaries
-        key = (solver, max_cuts)
+        key = (solver, max_cuts, offload)
+        if offload is not None:
+            kw["offload"] = offload
         if key not in self._planners:
             self._planners[key] = PLANNERS[solver](self.graph, max_cuts=max_cuts, **kw)
         return self._planners[key]
@@ -139,7 +153,8 @@ class Program:
         """Compiled reference plans, first the planner's min-memory plan, then `ANCHOR_RECIPES`
         (built-in policies per layer, sqrt(n) segments of Chen et al. 2016). Compiled once per
         program."""
-        if planner.name not in self._anchors:
+        akey = (planner.name, getattr(planner, "offload", None))
+        if akey not in self._anchors:
             plans = [planner.min_memory_plan()]
             if len(layer_segments(self.graph)) > 1:
                 plans += [recipe_plan(self.graph, policy, seg) for policy, seg in ANCHOR_RECIPES]
@@ -150,13 +165,21 @@ class Program:
                     plans.append(p)
             unique = {_key(p): p for p in reversed(plans)}  # first occurrence wins
             plans = [p for p in plans if unique.get(_key(p)) is p]
-            self._anchors[planner.name] = [(p, self.compile(p)) for p in plans]
-        return [(copy.deepcopy(p), c) for p, c in self._anchors[planner.name]]
+            self._anchors[akey] = [(p, self.compile(p)) for p in plans]
+        return [(copy.deepcopy(p), c) for p, c in self._anchors[akey]]
 
     def record(self, plan: Plan, c: Compiled) -> Plan:
         plan.measured_temp_bytes = c.temp_bytes
         plan.measured_flops = c.flops
         plan.baseline_temp_bytes = self.baseline.temp_bytes
+        if c.offload_temp_bytes is not None:
+            plan.notes.append(
+                f"host offload has no memory effect on backend {jax.default_backend()!r}: "
+                f"this plan compiles to {c.offload_temp_bytes:,} temp bytes here; "
+                f"measured_temp_bytes ({c.temp_bytes:,}) is the compiled temp of the same plan "
+                "with its offloaded values recomputed instead, the device memory expected "
+                "where pinned host memory exists. Not confirmed by this compile."
+            )
         return plan
 
 
@@ -180,6 +203,7 @@ def plan(
     verify: bool = True,
     max_rounds: int = 4,
     max_cuts: int = 160,
+    offload: bool | OffloadCost | None = None,
 ) -> Plan:
     """Plan the rematerialization of `fn` under a memory budget.
 
@@ -200,6 +224,14 @@ def plan(
         the baseline is compiled; the plan may then miss the budget.
       max_rounds: how many plans verification may compile before settling.
       max_cuts: cut candidates the DP considers.
+      offload: host offload (`jremat.offload`). None/False (default): segments save or
+        recompute. True or a `jremat.OffloadCost(host_bandwidth=bytes/s, device_flops=FLOP/s)`:
+        a segment may also offload the values `dots_saveable` would save to pinned host
+        memory, charged 2 x bytes / host_bandwidth seconds x device_flops FLOPs; the
+        planner takes it where that is cheaper than the recompute it spares. On a backend
+        where offloading has no memory effect (CPU), the plan still compiles and runs, and
+        its device memory is verified on the plan with those values recomputed (`Plan.notes`
+        says so). The "dtr" solver never offloads.
 
     Returns:
       A `Plan`; `Plan.identity` when the budget is at or above the unrematerialized program.
@@ -208,15 +240,25 @@ def plan(
       ValueError: an invalid budget (names the accepted forms) or unknown solver.
       InfeasibleBudgetError: no plan reaches the budget; states the smallest reachable budget
         in the caller's unit.
-      TypeError: `fn` does not return a scalar float, or `argnums` selects no float input.
+      TypeError: `fn` does not return a scalar float, or `argnums` selects no float input;
+        `offload` is not one of the accepted forms.
     """
     spec = parse_budget(budget)
+    offload_cost = parse_offload(offload)
     if solver not in SOLVERS:
         raise ValueError(f"solver={solver!r} is not known; accepted: {', '.join(SOLVERS)}")
     if not isinstance(max_rounds, int) or max_rounds < 1:
         raise ValueError(f"max_rounds must be an int >= 1, got {max_rounds!r}")
     prog = Program(fn, args, argnums)
-    return solve(prog, spec, solver=solver, verify=verify, max_rounds=max_rounds, max_cuts=max_cuts)
+    return solve(
+        prog,
+        spec,
+        solver=solver,
+        verify=verify,
+        max_rounds=max_rounds,
+        max_cuts=max_cuts,
+        offload=offload_cost,
+    )
 
 
 def solve(
@@ -227,8 +269,18 @@ def solve(
     verify: bool = True,
     max_rounds: int = 4,
     max_cuts: int = 160,
+    offload: OffloadCost | None = None,
 ) -> Plan:
-    """`plan` on an already traced `Program` (lets callers reuse the baseline compile)."""
+    """`plan` on an already traced `Program` (lets callers reuse the baseline compile).
+
+    Plans are ranked by compiled FLOPs plus, for those that offload, the transfer time of
+    their predicted offloaded bytes under `offload` as FLOP-equivalents."""
+
+    def score(p: Plan, c: Compiled) -> float:
+        if not p.offloaded_bytes:
+            return c.flops
+        return math.inf if offload is None else c.flops + offload.transfer_flops(p.offloaded_bytes)
+
     base = prog.baseline
     target = spec.temp_bytes(base.temp_bytes, base.fixed_bytes)
     meta = dict(budget=spec.raw, budget_temp_bytes=int(target) if target > 0 else 0)
@@ -236,7 +288,7 @@ def solve(
         p = Plan.identity(prog.graph, **meta)
         p.predicted_temp_bytes = base.temp_bytes
         return prog.record(p.annotate(prog.graph), base)
-    planner = prog.planner(solver, max_cuts)
+    planner = prog.planner(solver, max_cuts, offload)
     min_plan = planner.min_memory_plan()
     model_min, model_none = min_plan.predicted_temp_bytes, planner.no_remat_peak()
     if not verify:
@@ -249,7 +301,7 @@ def solve(
         chosen.notes.append("verify=False: chosen by the cost model, scaled to the baseline")
         return _finish(chosen, meta, solver, prog.graph)
     anchors = prog.anchors(planner)  # compiled: DP min-memory plan, per-layer and sqrt(n) remat
-    fitting = [(c.flops, p, c) for p, c in anchors if c.temp_bytes <= target]
+    fitting = [(score(p, c), p, c) for p, c in anchors if c.temp_bytes <= target]
     min_c = min((c for _, c in anchors), key=lambda c: c.temp_bytes)
     if not fitting:
         smallest = spec.in_caller_unit(
@@ -294,8 +346,8 @@ def solve(
             )
             if ok:
                 lo = max(lo, model_budget)
-                if c.flops < best[0]:
-                    best = (c.flops, candidate, c)
+                if score(candidate, c) < best[0]:
+                    best = (score(candidate, c), candidate, c)
             else:
                 hi = min(hi, model_budget)
             ratio = target / max(c.temp_bytes, 1)
@@ -315,8 +367,8 @@ def solve(
     mixing.search(prog, target, best[0])
     # a plan compiled for another budget on this program may fit this one more cheaply
     for p, c in prog.tried:
-        if c.temp_bytes <= target and c.flops < best[0]:
-            best = (c.flops, copy.deepcopy(p), c)
+        if c.temp_bytes <= target and score(p, c) < best[0]:
+            best = (score(p, c), copy.deepcopy(p), c)
     _, chosen, c = best
     chosen = prog.record(chosen, c)
     chosen.notes.extend(log)
@@ -336,13 +388,36 @@ def _key(p: Plan | None) -> str:
     if p is None or p.is_identity:
         return "unchanged"
     segs = ";".join(
-        f"{s.start}:{s.end}:{s.policy}:{','.join(map(str, s.saved))}" for s in p.segments
+        f"{s.start}:{s.end}:{s.policy}:{','.join(map(str, s.saved))}"
+        + (f">{','.join(map(str, s.offloaded))}" if s.offloaded else "")
+        for s in p.segments
     )
     return f"{segs}|{json.dumps(p.scans, sort_keys=True)}"
 
 
+def _offloads(p: Plan | None) -> bool:
+    return p is not None and any(s.offloaded for s in p.segments)
+
+
+def offload_proxy(p: Plan) -> Plan:
+    """`p` with every offloaded value recomputed instead (no longer named): on a backend
+    with pinned host memory, the device holds offloaded values as it holds recomputed ones,
+    so this plan's compiled temp bytes estimate `p`'s device memory where the offload
+    itself compiles to a no-op (CPU; see `jremat.offload`)."""
+    q = copy.deepcopy(p)
+    for s in q.segments:
+        s.offloaded = []
+    q.offloaded_bytes = 0
+    return q
+
+
 def _finish(p: Plan, meta: dict, solver: str, graph: Graph) -> Plan:
     p.annotate(graph)
+    if p.offloaded_bytes and p.measured_temp_bytes is None and not host_offload_effective():
+        p.notes.append(
+            f"host offload has no memory effect on backend {jax.default_backend()!r}: this "
+            "plan's offloads free device memory only where pinned host memory exists"
+        )
     p.budget, p.budget_temp_bytes = meta["budget"], meta["budget_temp_bytes"]
     p.notes.append(f"solver={solver!r}")
     return p

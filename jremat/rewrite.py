@@ -151,7 +151,9 @@ def tied_checkpoint(
     XLA can neither CSE with the forward pass nor schedule before the cotangent exists. Used
     where `jax.checkpoint`'s barrier does not hold (`_compat.TIED_RECOMPUTE`). A cotangent
     holding inf/NaN turns the residuals to NaN, as it would the gradient anyway. Supports
-    reverse mode (grad, vjp) and vmap; not forward mode (jvp).
+    reverse mode (grad, vjp) and vmap; not forward mode (jvp). Residuals `policy` offloads
+    to host memory are not tied (a device scalar cannot be added to them); their copy back to
+    the device happens inside the VJP.
     """
     checkpointed = jax.checkpoint(fn, policy=policy, prevent_cse=prevent_cse)
 
@@ -167,7 +169,9 @@ def tied_checkpoint(
         tie = sum(c.reshape(-1)[0].astype("float32") for c in floats if c.size) * 0.0
 
         def tied(r):
-            return r + tie.astype(r.dtype) if _compat.is_float_dtype(r.dtype) else r
+            if not _compat.is_float_dtype(r.dtype) or _compat.in_host_memory(r):
+                return r  # an offloaded residual returns to the device inside the VJP
+            return r + tie.astype(r.dtype)
 
         return jax.tree_util.tree_map(tied, vjp_fn)(ct)
 
@@ -176,7 +180,15 @@ def tied_checkpoint(
 
 
 def segment_policy(seg: Segment) -> Callable[..., Any]:
-    """The `jax.checkpoint` policy a checkpointed segment runs under."""
+    """The `jax.checkpoint` policy a checkpointed segment runs under: for policy `"names"`,
+    `save_only_these_names` of its saved values, or, when it offloads values,
+    `save_and_offload_only_these_names` (offloaded ones to pinned host memory)."""
+    if seg.policy == SAVE_NAMES and seg.offloaded:
+        from .offload import offload_policy
+
+        return offload_policy(
+            [residual_name(v) for v in seg.saved], [residual_name(v) for v in seg.offloaded]
+        )
     if seg.policy == SAVE_NAMES:
         return jax.checkpoint_policies.save_only_these_names(*map(residual_name, seg.saved))
     from . import policies
@@ -196,7 +208,11 @@ def run_graph(graph: Graph, plan: Plan, flat_args: Sequence[Any], *, prevent_cse
             _eval_nodes(nodes, env, {}, plan.scans)
             continue
         live_in, live_out = segment_io(graph, seg)
-        tag = {v: residual_name(v) for v in seg.saved} if seg.policy == SAVE_NAMES else {}
+        tag = (
+            {v: residual_name(v) for v in [*seg.saved, *seg.offloaded]}
+            if seg.policy == SAVE_NAMES
+            else {}
+        )
 
         def seg_fn(*ins, nodes=nodes, live_in=live_in, live_out=live_out, tag=tag):
             local = dict(zip(live_in, ins, strict=True))
@@ -220,8 +236,9 @@ def rematerialize(
     `fn` (cached per argument shapes/dtypes), checks the program is the one the plan was made
     for, and re-evaluates its equations: every checkpointed segment runs under
     `jax.checkpoint(policy=save_only_these_names(...), prevent_cse=prevent_cse)` with its saved
-    values tagged by `jax.ad_checkpoint.checkpoint_name`. Composes with `jit`, `grad`,
-    `value_and_grad` and `vmap`. A plan that checkpoints nothing returns `fn` itself.
+    values tagged by `jax.ad_checkpoint.checkpoint_name` (`save_and_offload_only_these_names`
+    where a segment offloads values to host memory; see `jremat.offload`). Composes with
+    `jit`, `grad`, `value_and_grad` and `vmap`. A plan that checkpoints nothing returns `fn` itself.
 
     Args:
       fn: the function the plan was made for (positional array/pytree arguments).

@@ -6,6 +6,7 @@ dtr     simulated Dynamic Tensor Rematerialization (Kirisame et al., ICLR 2021)
 milp    exact mixed-integer program on HiGHS (Checkmate, Jain et al., MLSys 2020)
 """
 
+from ..offload import OffloadCost
 from .chain import ChainPlanner
 from .dtr import DTRPlanner
 from .greedy import GreedyPlanner
@@ -18,4 +19,11 @@ PLANNERS = {
     "milp": MILPPlanner,
 }
 
-__all__ = ["PLANNERS", "ChainPlanner", "DTRPlanner", "GreedyPlanner", "MILPPlanner"]
+__all__ = [
+    "PLANNERS",
+    "ChainPlanner",
+    "DTRPlanner",
+    "GreedyPlanner",
+    "MILPPlanner",
+    "OffloadCost",
+]

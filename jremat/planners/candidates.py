@@ -14,6 +14,7 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
+from ..offload import OffloadCost
 from ..trace import Graph, is_literal
 
 _LAYER_PART = re.compile(r"^(?:\d+|.*_\d+)$")
@@ -173,6 +174,12 @@ SAVE_OPTIONS: dict[str, Callable[[Graph, int], bool]] = {
 }
 
 
+#: Host-offload options: name -> the `SAVE_OPTIONS` entry whose values the segment offloads
+#: to pinned host memory instead of saving them on the device (`jremat.offload`). Planners
+#: consider them only when given an `OffloadCost`.
+OFFLOAD_OPTIONS: dict[str, str] = {"offload_dots": "dots"}
+
+
 @dataclasses.dataclass
 class SegmentTable:
     """Costs of every segment `[cuts[a], cuts[b])`, a < b, under every option.
@@ -185,6 +192,13 @@ class SegmentTable:
         cotangents crossing its two cuts, working set);
       flops: FLOPs its recompute costs (only equations whose results the backward needs and
         that are not saved).
+      offloaded: bytes it offloads to pinned host memory (0 except under `OFFLOAD_OPTIONS`).
+      cost: what the planners minimise, FLOPs: `flops` plus the transfer time of `offloaded`
+        as FLOP-equivalents (`OffloadCost.transfer_flops`); equals `flops` without offload.
+      offload: the `OffloadCost` the table was built with, or None.
+    An offload option's values leave the device: `stored` holds only the live-in values, and
+    they come back for the segment's backward pass, so `transient` holds them again (the same
+    memory as recomputing everything, with the recompute FLOPs of saving them).
     """
 
     cuts: list[int]
@@ -192,6 +206,15 @@ class SegmentTable:
     stored: np.ndarray
     transient: np.ndarray
     flops: np.ndarray
+    offloaded: np.ndarray | None = None
+    cost: np.ndarray | None = None
+    offload: OffloadCost | None = None
+
+    def __post_init__(self) -> None:
+        if self.offloaded is None:
+            self.offloaded = np.zeros_like(self.flops)
+        if self.cost is None:
+            self.cost = self.flops
 
     def option_index(self, name: str) -> int:
         return self.options.index(name)
@@ -229,9 +252,22 @@ def _first_needed(graph: Graph, saved: Callable[[int], bool], res_first: dict[in
 
 
 def segment_table(
-    graph: Graph, cuts: list[int], options: Sequence[str] = tuple(SAVE_OPTIONS)
+    graph: Graph,
+    cuts: list[int],
+    options: Sequence[str] = tuple(SAVE_OPTIONS),
+    offload: OffloadCost | None = None,
 ) -> SegmentTable:
-    """Build the `SegmentTable` of `graph` over `cuts` for the given save options."""
+    """Build the `SegmentTable` of `graph` over `cuts` for the given save options.
+
+    `options` may name `OFFLOAD_OPTIONS` only with `offload` (the transfer cost); raises
+    ValueError for an unknown option or an offload option without it.
+    """
+    for name in options:
+        if name in OFFLOAD_OPTIONS and offload is None:
+            raise ValueError(f"option {name!r} needs offload=OffloadCost(...) (its cost)")
+        if name not in SAVE_OPTIONS and name not in OFFLOAD_OPTIONS:
+            known = ", ".join([*SAVE_OPTIONS, *OFFLOAD_OPTIONS])
+            raise ValueError(f"unknown segment option {name!r}; known: {known}")
     m = len(cuts)
     n = graph.num_nodes
     cross = crossing_bytes(graph)
@@ -277,8 +313,9 @@ def segment_table(
     stored[0] = live_in + internal
     transient[0] = cot + work
     node_flops = np.array([nd.flops for nd in graph.nodes])
+    offloaded = np.zeros((len(names), m, m))
     for k, name in enumerate(options, start=1):
-        pred = SAVE_OPTIONS[name]
+        pred = SAVE_OPTIONS[OFFLOAD_OPTIONS.get(name, name)]
         saved_cache: dict[int, bool] = {}
 
         def saved(v: int, pred=pred, cache=saved_cache) -> bool:
@@ -302,19 +339,26 @@ def segment_table(
         fl = _dominance(
             m, zip(bin_of(idx), bin_of(f[idx].astype(int)), node_flops[idx], strict=True)
         )
-        stored[k] = live_in + kept
-        transient[k] = internal - kept + cot + work
+        if name in OFFLOAD_OPTIONS:  # on host between the passes, back for the backward
+            stored[k] = live_in
+            transient[k] = internal + cot + work
+            offloaded[k] = kept
+        else:
+            stored[k] = live_in + kept
+            transient[k] = internal - kept + cot + work
         flops[k] = fl
     upper = np.triu(np.ones((m, m), dtype=bool), k=1)
     for arr in (stored, transient, flops):
         arr[:, ~upper] = np.inf
-    return SegmentTable(cuts, names, stored, transient, flops)
+    cost = flops if offload is None else flops + offloaded * offload.flops_per_byte
+    return SegmentTable(cuts, names, stored, transient, flops, offloaded, cost, offload)
 
 
 def saved_values(graph: Graph, start: int, end: int, option: str) -> list[int]:
     """Value ids a checkpointed segment `[start, end)` names as saveable under `option`: the
     values it produces that the option's predicate selects. JAX keeps those its backward
     pass needs (as residuals or recompute inputs) and drops the rest."""
+    option = OFFLOAD_OPTIONS.get(option, option)
     if option not in SAVE_OPTIONS:
         return []
     pred = SAVE_OPTIONS[option]

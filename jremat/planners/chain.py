@@ -21,10 +21,12 @@ import math
 
 import numpy as np
 
+from ..offload import OffloadCost
 from ..plan import KEEP, SAVE_NAMES, Plan, Segment
 from ..trace import Graph
 from .candidates import (
     KEEP_OPTION,
+    OFFLOAD_OPTIONS,
     SAVE_OPTIONS,
     SegmentTable,
     candidate_cuts,
@@ -36,9 +38,10 @@ GRID = 384  # memory buckets of the budgeted DP
 
 
 def _options(t: SegmentTable, a: int, b: int):
-    """(option name, stored, transient, FLOPs) for segment (a, b) under every option."""
+    """(option name, stored, transient, cost) for segment (a, b) under every option; cost is
+    recompute FLOPs plus offload transfers as FLOP-equivalents (`SegmentTable.cost`)."""
     for k, name in enumerate(t.options):
-        yield name, t.stored[k, a, b], t.transient[k, a, b], t.flops[k, a, b]
+        yield name, t.stored[k, a, b], t.transient[k, a, b], t.cost[k, a, b]
 
 
 def min_memory(t: SegmentTable) -> tuple[float, list[tuple[int, int, str]]]:
@@ -60,7 +63,8 @@ def min_memory(t: SegmentTable) -> tuple[float, list[tuple[int, int, str]]]:
 def within_budget(
     t: SegmentTable, budget: float
 ) -> tuple[float, list[tuple[int, int, str]]] | None:
-    """Fewest recompute FLOPs with modelled peak <= budget bytes; None when infeasible.
+    """Lowest cost (recompute FLOPs, plus offload transfers as FLOP-equivalents) with modelled
+    peak <= budget bytes; None when infeasible.
 
     Suffix DP over (cut, memory left) with the memory axis in GRID buckets (stores rounded up,
     so a plan it returns is within budget in the model).
@@ -117,7 +121,7 @@ def to_plan(graph: Graph, t: SegmentTable, segs, solver: str = "chain") -> Plan:
     Adjacent kept segments are merged (no checkpoint boundary between them).
     """
     out: list[Segment] = []
-    running, peak, flops = 0.0, 0.0, 0.0
+    running, peak, flops, host = 0.0, 0.0, 0.0, 0.0
     for a, b, option in segs:
         k = t.option_index(option)
         stored, trans, fl = t.stored[k, a, b], t.transient[k, a, b], t.flops[k, a, b]
@@ -135,15 +139,28 @@ def to_plan(graph: Graph, t: SegmentTable, segs, solver: str = "chain") -> Plan:
             out.append(Segment(start, end, KEEP, [], int(stored), int(trans), 0.0))
             continue
         saved = saved_values(graph, start, end, option)
-        out.append(Segment(start, end, SAVE_NAMES, saved, int(stored), int(trans), float(fl)))
-    return Plan(
+        seg = Segment(start, end, SAVE_NAMES, saved, int(stored), int(trans), float(fl))
+        if option in OFFLOAD_OPTIONS:
+            seg.saved, seg.offloaded = [], saved
+            host += t.offloaded[k, a, b]
+        out.append(seg)
+    plan = Plan(
         out,
         graph.fingerprint,
         graph.num_nodes,
         solver=solver,
         predicted_temp_bytes=int(peak),
         recompute_flops=flops,
+        offloaded_bytes=int(host),
     )
+    if host and t.offload is not None:
+        c = t.offload
+        plan.notes.append(
+            f"offload: {int(host):,} bytes to pinned host and back, "
+            f"{c.transfer_seconds(host) * 1e3:.3g} ms at {c.host_bandwidth:.3g} bytes/s, "
+            f"charged as {c.transfer_flops(host):.4g} FLOPs at {c.device_flops:.3g} FLOP/s"
+        )
+    return plan
 
 
 class ChainPlanner:
@@ -152,13 +169,25 @@ class ChainPlanner:
     Args:
       graph: a traced program (`jremat.trace`).
       max_cuts: how many cut candidates the DP considers (O(max_cuts^2 x GRID) work).
+      options: the save options (`SAVE_OPTIONS` names) a checkpointed segment may take.
+      offload: an `OffloadCost` adds the `OFFLOAD_OPTIONS` (values offloaded to pinned host
+        memory, charged their transfer time); None (default): no offload.
     """
 
     name = "chain"
 
-    def __init__(self, graph: Graph, max_cuts: int = 160, options=tuple(SAVE_OPTIONS)):
+    def __init__(
+        self,
+        graph: Graph,
+        max_cuts: int = 160,
+        options=tuple(SAVE_OPTIONS),
+        offload: OffloadCost | None = None,
+    ):
         self.graph = graph
-        self.table = segment_table(graph, candidate_cuts(graph, max_cuts), options)
+        self.offload = offload
+        if offload is not None:
+            options = (*options, *[o for o in OFFLOAD_OPTIONS if o not in options])
+        self.table = segment_table(graph, candidate_cuts(graph, max_cuts), options, offload)
         self._min = None
 
     def min_memory_plan(self) -> Plan:
@@ -193,6 +222,8 @@ class ChainPlanner:
                 return None
             if seg.policy == KEEP:
                 option = KEEP_OPTION
+            elif seg.policy == SAVE_NAMES and seg.offloaded and not seg.saved:
+                option = "offload_dots"
             elif seg.policy == SAVE_NAMES and not seg.saved:
                 option = "nothing"
             else:
@@ -205,7 +236,8 @@ class ChainPlanner:
         return peak
 
     def plan(self, model_budget: float) -> Plan | None:
-        """Fewest-FLOPs plan whose modelled peak is <= `model_budget` bytes, or None."""
+        """Lowest-cost plan (`SegmentTable.cost`: FLOPs, with offload transfers) whose modelled
+        peak is <= `model_budget` bytes, or None."""
         found = within_budget(self.table, model_budget)
         if found is None:
             return None

@@ -23,9 +23,14 @@ from .chain import ChainPlanner
 
 
 class DTRPlanner(ChainPlanner):
-    """DTR simulation (see the module docstring); segments are the model's layers."""
+    """DTR simulation (see the module docstring); segments are the model's layers. DTR evicts
+    or keeps; it never offloads to host memory, so an `offload` cost is ignored."""
 
     name = "dtr"
+
+    def __init__(self, graph, max_cuts: int = 160, offload=None, **kw):
+        del offload  # DTR's decisions are evict/keep; its reference plans offload nothing too
+        super().__init__(graph, max_cuts=max_cuts, **kw)
 
     def simulate(self, budget: float) -> tuple[set[int], float, float]:
         """Run DTR under `budget` bytes; returns (evicted value ids, recompute FLOPs, peak)."""

@@ -5,6 +5,8 @@ activation_memory_budget`, 2024): start from the cheapest-memory choice and buy 
 recomputation where it saves the most FLOPs per byte stored, until the budget is spent. Here
 the items are per-segment upgrades along `keep > dots > expensive > dots_no_batch > nothing`
 on a fixed segmentation (the layers, or the chain DP's min-memory cuts without layer names).
+With an `OffloadCost`, `offload_dots` sits just above `nothing` (the same modelled memory) and
+is bought when its transfer costs fewer FLOP-equivalents than the recompute it spares.
 """
 
 from __future__ import annotations
@@ -47,7 +49,7 @@ class GreedyPlanner(ChainPlanner):
         segs = self._segments()
         ladder = [
             o
-            for o in ("nothing", "dots_no_batch", "expensive", "dots", KEEP_OPTION)
+            for o in ("nothing", "offload_dots", "dots_no_batch", "expensive", "dots", KEEP_OPTION)
             if o in t.options
         ]
         level = [0] * len(segs)
@@ -69,7 +71,7 @@ class GreedyPlanner(ChainPlanner):
                 k0 = t.option_index(ladder[level[i]])
                 for lv in range(level[i] + 1, len(ladder)):
                     k1 = t.option_index(ladder[lv])
-                    saved_flops = t.flops[k0, a, b] - t.flops[k1, a, b]
+                    saved_flops = t.cost[k0, a, b] - t.cost[k1, a, b]
                     if saved_flops <= 0:
                         continue
                     trial = level.copy()

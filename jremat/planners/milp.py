@@ -7,7 +7,7 @@ express), so the program here is Checkmate's idea on that space: binary x[k, a, 
 (a, b) is taken with option k", a path from the first cut to the last, and S[c] = bytes stored
 before cut c, which on a path is a linear expression of x (the segments that end at or before c):
 
-    min  sum flops[k,a,b] x[k,a,b]
+    min  sum cost[k,a,b] x[k,a,b]       (recompute FLOPs; offload transfers as FLOP-equivalents)
     s.t. flow: one segment leaves cut 0, one enters the last cut, in = out at every other cut
          S[c] = sum_{k, a' < b' <= c} stored[k,a',b'] x[k,a',b']
          S[a] + (stored[k,a,b] + transient[k,a,b]) x[k,a,b] <= B  (peak within the budget)
@@ -80,7 +80,7 @@ class MILPPlanner(GreedyPlanner):
         E = len(edges)
         nvar = E + m  # x per edge, then S per cut
         cost = np.zeros(nvar)
-        cost[:E] = [t.flops[k, a, b] for k, a, b in edges]
+        cost[:E] = [t.cost[k, a, b] for k, a, b in edges]
         rows = E + 2 * m
         A = lil_matrix((rows, nvar))
         lo, hi = np.full(rows, -highspy.kHighsInf), np.zeros(rows)
@@ -177,7 +177,7 @@ class MILPPlanner(GreedyPlanner):
                 x[i] = 1.0
                 x[len(edges) + a : len(edges) + b] = running  # S at the cuts inside it
                 running += t.stored[k, a, b]
-                cost += t.flops[k, a, b]
+                cost += t.cost[k, a, b]
             else:
                 x[-1] = running
                 if cost < best_cost:

@@ -1,0 +1,150 @@
+"""Host offload: a residual goes to pinned host memory between the forward and backward pass.
+
+A checkpointed segment may, instead of saving a residual on the device or recomputing it,
+offload it: `jax.checkpoint_policies.save_and_offload_only_these_names(
+names_which_can_be_saved=..., names_which_can_be_offloaded=..., offload_src="device",
+offload_dst="pinned_host")`. The forward pass copies the value to host memory, the backward pass
+copies it back. The device does not hold it in between, and nothing is recomputed; the price
+is the transfer time, 2 x bytes / host bandwidth (to host and back), which the planners charge
+as FLOP-equivalents: seconds x the device's FLOP rate (`OffloadCost`).
+
+Measured on CPU (XLA:CPU, 2 cores), jax 0.10.2 and jax 0.12.0.1 alike, with an 8-layer
+`x + tanh(x @ w)` chain (4 MiB activations, `jit(value_and_grad)`), each layer under
+`jax.checkpoint` offloading its named `x @ w`:
+
+* It traces, compiles and runs. The jaxpr holds `device_put` to `MemorySpace.Host` in the
+  forward pass (the residual's aval prints as `f32<host>[...]`) and `device_put` back to
+  `MemorySpace.Device` in the backward pass. Gradients are bit-identical to no remat
+  (max |difference| 0.0), also through `rewrite.tied_checkpoint` (the jax < 0.11 path).
+* `jax.devices()[0]` on CPU lists a `pinned_host` memory space, yet the lowered StableHLO
+  carries no placement (no `pinned_host`, no `annotate_device_placement`): on CPU the
+  offload is accepted and has no memory effect. Compiled temp bytes equal those of saving
+  the same values on the device (68.0 MiB on jax 0.12 either way and on jax 0.10 with
+  `jax.checkpoint`; 64.0 MiB on jax 0.10 with `tied_checkpoint`, as saving them there; no
+  remat 68.0, `nothing_saveable` 40.0), compiled FLOPs are those of not recomputing them
+  (2.47e10, vs 3.33e10 with `nothing_saveable`), and every `memory_analysis()`
+  `host_*_size_in_bytes` field is 0. In `tests/test_offload.py` (the 10-layer MLP chain of
+  `tests/models.py`, jax 0.10) the offload plan the chain DP makes at 40% of the modelled
+  peak compiles to the temp bytes of saving its offloaded values instead, and the proxy
+  below to fewer.
+* So the device memory an offload plan would have on a backend with pinned host memory
+  cannot be compiled on CPU. `host_offload_effective` tells the two cases apart by lowering a
+  tiny offloading function and looking for the placement in its StableHLO.
+
+How `jremat.plan(..., offload=...)` verifies an offload plan: where offloading is effective
+(GPU, TPU), by its own compiled temp bytes. Where it is not (CPU), the plan is compiled as is
+(it must compile; its FLOPs are the plan's FLOPs) and its device memory is taken from a second
+compile, the *proxy*: the same plan with the offloaded values recomputed instead of saved.
+On a backend with a host memory space the device holds an offloaded value neither between
+the passes (like a recomputed one) nor longer during its segment's backward pass (the copy
+back arrives about when the recompute would have produced it), so the proxy's temp bytes are
+the compiled estimate of the offload plan's device memory, not a confirmation of it;
+`Plan.notes` says so. Transfer buffers and copies that XLA schedules early are not in it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import Any
+
+import jax
+
+#: `offload_dst` of jremat's offload policies.
+HOST_MEMORY = "pinned_host"
+
+
+@dataclasses.dataclass(frozen=True)
+class OffloadCost:
+    """What offloading costs, in FLOP-equivalents: a byte offloaded costs
+    `2 x device_flops / host_bandwidth` FLOPs (copied to host in the forward pass, back in the
+    backward pass; the transfer is charged in full, not overlapped with compute).
+
+    Attributes:
+      host_bandwidth: device <-> pinned host copy bandwidth, bytes/second, each way. The
+        default, 25e9, is a PCIe 4.0 x16 link in practice. To model transfers that overlap
+        with compute, raise it (a transfer hidden by half costs as one at twice the speed).
+      device_flops: the device's sustained compute rate, FLOP/second, that converts transfer
+        seconds into recompute FLOPs (default 1e14).
+
+    Raises:
+      ValueError: a figure that is not a finite number > 0.
+    """
+
+    host_bandwidth: float = 25e9
+    device_flops: float = 1e14
+
+    def __post_init__(self) -> None:
+        for name in ("host_bandwidth", "device_flops"):
+            value = getattr(self, name)
+            ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+            if not ok or not math.isfinite(value) or value <= 0:
+                raise ValueError(
+                    f"OffloadCost.{name} must be a finite number > 0 "
+                    f"({'bytes/second' if name == 'host_bandwidth' else 'FLOP/second'}), "
+                    f"got {value!r}"
+                )
+
+    @property
+    def flops_per_byte(self) -> float:
+        """FLOP-equivalents one offloaded byte costs (both transfers)."""
+        return 2.0 * self.device_flops / self.host_bandwidth
+
+    def transfer_seconds(self, nbytes: float) -> float:
+        """Seconds to copy `nbytes` bytes to host and back."""
+        return 2.0 * nbytes / self.host_bandwidth
+
+    def transfer_flops(self, nbytes: float) -> float:
+        """`transfer_seconds(nbytes)` as FLOP-equivalents of the device."""
+        return nbytes * self.flops_per_byte
+
+
+def parse_offload(offload: Any) -> OffloadCost | None:
+    """The `offload=` keyword of `jremat.plan` as an `OffloadCost`, or None (disabled).
+
+    Accepted: None or False (no offload: the default), True (offload with the default
+    `OffloadCost()`), or an `OffloadCost`. Raises TypeError for anything else.
+    """
+    if offload is None or offload is False:
+        return None
+    if offload is True:
+        return OffloadCost()
+    if isinstance(offload, OffloadCost):
+        return offload
+    raise TypeError(
+        f"offload must be None/False (no host offload), True (default OffloadCost()) or a "
+        f"jremat.OffloadCost(host_bandwidth=bytes/s, device_flops=FLOP/s); got {offload!r}"
+    )
+
+
+def offload_policy(saved: list[str], offloaded: list[str]):
+    """The `jax.checkpoint` policy that saves `saved` names on the device and offloads
+    `offloaded` names to pinned host memory; everything else is recomputed."""
+    return jax.checkpoint_policies.save_and_offload_only_these_names(
+        names_which_can_be_saved=list(saved),
+        names_which_can_be_offloaded=list(offloaded),
+        offload_src="device",
+        offload_dst=HOST_MEMORY,
+    )
+
+
+@functools.cache
+def _effective(backend: str) -> bool:
+    from jax.ad_checkpoint import checkpoint_name
+
+    def f(x):
+        return jax.numpy.sin(checkpoint_name(jax.numpy.sin(x), "jremat_probe"))
+
+    g = jax.checkpoint(f, policy=offload_policy([], ["jremat_probe"]))
+    x = jax.ShapeDtypeStruct((8,), jax.numpy.float32)
+    del backend  # the cache key: lowering uses JAX's default backend
+    text = jax.jit(jax.grad(lambda x: g(x).sum())).lower(x).as_text()
+    return HOST_MEMORY in text or "annotate_device_placement" in text
+
+
+def host_offload_effective() -> bool:
+    """Whether offloading to pinned host memory frees device memory on JAX's default backend:
+    True when the lowered program places the offloaded value in host memory (GPU, TPU), False
+    where the offload compiles to a no-op (CPU). Cached per backend."""
+    return _effective(jax.default_backend())
