@@ -11,9 +11,10 @@ built-ins per layer, `jremat.auto` at fractions of the unrematerialized temp) it
 * peak device memory: the growth of `memory_stats()["peak_bytes_in_use"]` over the run, where
   the backend reports it (GPU/TPU; None on CPU, where the compiled footprint stands in);
 * the largest batch (sequences of the same length) whose step fits `--cap` bytes of device
-  footprint: found by doubling then bisection on compiled footprints; for jremat the policy is
-  `jremat.plan(budget=cap)`, so each batch gets its own plan, and a batch is out of reach
-  when that raises `InfeasibleBudgetError`.
+  footprint: estimated from two compiled batch sizes (footprints grow linearly in the batch),
+  then checked on the compiled program and stepped by 4% until it holds; for jremat the
+  check is `jremat.plan(budget=cap)`, so each batch gets its own plan, and a batch is out of
+  reach when that raises `InfeasibleBudgetError`.
 
 Writes `benchmarks/results/gpu.md` (and `gpu.csv`). Designed to finish in about 8 minutes on
 one H200 with the default sizes; wall times are quoted only from a GPU run. The largest
@@ -105,34 +106,56 @@ def time_policy(policy: str, loss, params, tokens, runs: int) -> dict:
     }
 
 
-def fits(policy: str, size: dict, batch: int, cap: int) -> bool:
-    """Whether a step of `batch` sequences fits `cap` footprint bytes under `policy`."""
+def _program(size: dict, batch: int) -> Program:
     loss, params, tokens = gpt2(size, batch)
-    prog = Program(loss, (params, tokens), 0)
-    if policy == "auto":
-        try:
-            plan = solve(prog, parse_budget(cap), max_rounds=2)
-        except jremat.InfeasibleBudgetError:
-            return False
-        return plan.measured_temp_bytes + prog.baseline.fixed_bytes <= cap
+    return Program(loss, (params, tokens), 0)
+
+
+def footprint(policy: str, prog: Program) -> int:
+    """Compiled footprint bytes of one step under a fixed `policy`; for "auto" the smallest
+    that planning reaches (its min-memory and per-layer nothing_saveable anchors)."""
     if policy == "no remat":
         c = prog.baseline
+    elif policy == "auto":
+        planner = prog.planner("chain", 160)
+        cands = [planner.min_memory_plan(), recipe_plan(prog.graph, "nothing_saveable")]
+        c = min((prog.compile(p) for p in cands), key=lambda c: c.temp_bytes)
     else:
         c = prog.compile(recipe_plan(prog.graph, policy.split()[0], "layers"))
-    return c.temp_bytes + c.fixed_bytes <= cap
+    return c.temp_bytes + c.fixed_bytes
 
 
-def largest_batch(policy: str, size: dict, cap: int, limit: int = 4096) -> int:
-    """Largest batch fitting `cap` (doubling, then bisection); 0 when batch 1 does not fit."""
-    if not fits(policy, size, 1, cap):
+def fits(policy: str, size: dict, batch: int, cap: int) -> bool:
+    """Whether a step of `batch` sequences fits `cap` footprint bytes under `policy` (for
+    "auto": `jremat.plan` with the cap as its budget finds a plan)."""
+    prog = _program(size, batch)
+    if policy != "auto":
+        return footprint(policy, prog) <= cap
+    try:
+        plan = solve(prog, parse_budget(cap), max_rounds=2)
+    except jremat.InfeasibleBudgetError:
+        return False
+    return plan.measured_temp_bytes + prog.baseline.fixed_bytes <= cap
+
+
+def largest_batch(policy: str, size: dict, cap: int, limit: int = 1 << 16) -> int:
+    """Largest batch whose step fits `cap` bytes. Footprints grow linearly in the batch, so
+    two compiled probes give the estimate, which is then checked and stepped by 4% until it
+    holds (each check is a compile, or a planning run for "auto")."""
+    b0 = max(1, size["batch"] // 2)
+    f1, f2 = footprint(policy, _program(size, b0)), footprint(policy, _program(size, 2 * b0))
+    per_item = max((f2 - f1) / b0, 1.0)
+    best = min(limit, int(b0 + (cap - f1) / per_item))
+    if best < 1:
         return 0
-    lo, hi = 1, 2
-    while hi <= limit and fits(policy, size, hi, cap):
-        lo, hi = hi, hi * 2
-    while hi - lo > max(1, lo // 16):  # within ~6%: each probe is a compile
-        mid = (lo + hi) // 2
-        lo, hi = (mid, hi) if fits(policy, size, mid, cap) else (lo, mid)
-    return lo
+    for _ in range(8):
+        if fits(policy, size, best, cap):
+            bigger = int(best * 1.04) + 1
+            return bigger if bigger <= limit and fits(policy, size, bigger, cap) else best
+        best = int(best * 0.96)
+        if best < 1:
+            return 0
+    return best if fits(policy, size, best, cap) else 0
 
 
 def main(argv=None) -> int:

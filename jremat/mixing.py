@@ -92,13 +92,12 @@ def _families(prog: Any) -> list[tuple[int, Callable[[list[str]], Plan]]]:
     from .planning import layer_segments
 
     graph = prog.graph
-    out: list[tuple[int, Callable[[list[str]], Plan]]] = []
-    if len(layer_segments(graph)) > 1:
-        out.append((len(layer_segments(graph)), lambda pols: layer_mix_plan(graph, pols)))
     lengths = [int(nd.eqn.params["length"]) for nd in graph.nodes if nd.primitive == "scan"]
     if lengths and max(lengths) > 1:
-        out.append((max(lengths), lambda pols: scan_mix_plan(graph, pols)))
-    return out
+        # layers live inside the loop: the units to mix are its iterations
+        return [(max(lengths), lambda pols: scan_mix_plan(graph, pols))]
+    units = len(layer_segments(graph))
+    return [(units, lambda pols: layer_mix_plan(graph, pols))] if units > 1 else []
 
 
 def compositions(units: int, n_policies: int, max_distinct: int = 3):

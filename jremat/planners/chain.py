@@ -79,21 +79,22 @@ def within_budget(
     F[m - 1, :] = 0.0
     arg_b = np.full((m, GRID + 1), -1, dtype=np.int32)
     arg_mode = np.zeros((m, GRID + 1), dtype=np.int8)
+    K = len(t.options)
+    cols = np.arange(GRID + 1)
     for a in range(m - 2, -1, -1):
-        for b in range(a + 1, m):
-            for k, (_mode, stored, trans, fl) in enumerate(_options(t, a, b)):
-                shift = int(math.ceil(stored / q - 1e-9))
-                if shift > GRID:
-                    continue
-                ok = levels >= stored + trans
-                rest = np.full(GRID + 1, inf)
-                rest[shift:] = F[b, : GRID + 1 - shift]
-                cand = np.where(ok, fl + rest, inf)
-                better = cand < F[a]
-                if better.any():
-                    F[a] = np.where(better, cand, F[a])
-                    arg_b[a] = np.where(better, b, arg_b[a])
-                    arg_mode[a] = np.where(better, k, arg_mode[a])
+        # every segment (a, b) under every option at once: shape (b, option, memory level)
+        bs = np.arange(a + 1, m)
+        stored, trans, fl = (x[:, a, a + 1 :].T for x in (t.stored, t.transient, t.cost))
+        finite = np.isfinite(stored)
+        shift = np.where(finite, np.ceil(np.where(finite, stored, 0) / q - 1e-9), GRID + 1)
+        idx = cols[None, None, :] - shift[:, :, None].astype(np.int64)
+        ok = (idx >= 0) & (levels[None, None, :] >= (stored + trans)[:, :, None])
+        rest = F[bs[:, None, None], np.maximum(idx, 0)]
+        cand = np.where(ok, fl[:, :, None] + rest, inf).reshape(len(bs) * K, GRID + 1)
+        first = np.argmin(cand, axis=0)  # ties: the smallest b, then the first option
+        F[a] = cand[first, cols]
+        arg_b[a] = np.where(np.isfinite(F[a]), bs[first // K], -1)
+        arg_mode[a] = first % K
     if not np.isfinite(F[0, GRID]):
         return None
     segs, a, level = [], 0, GRID
@@ -104,6 +105,20 @@ def within_budget(
         level -= int(math.ceil(stored / q - 1e-9))
         a = b
     return float(F[0, GRID]), segs
+
+
+#: Budget inflations tried after the DP (largest first) to undo its per-segment rounding.
+INFLATIONS = (0.04, 0.02, 0.01)
+
+
+def _exact_peak(t: SegmentTable, segs) -> float:
+    """The modelled peak of `[(a, b, option)]`, without the DP's memory buckets."""
+    running, peak = 0.0, 0.0
+    for a, b, option in segs:
+        k = t.option_index(option)
+        running += t.stored[k, a, b]
+        peak = max(peak, running + t.transient[k, a, b])
+    return peak
 
 
 def _walk(choice, m):
@@ -241,4 +256,15 @@ class ChainPlanner:
         found = within_budget(self.table, model_budget)
         if found is None:
             return None
-        return to_plan(self.graph, self.table, found[1], self.name)
+        best_cost, best_segs = found
+        # The DP rounds every segment's stores up to a 1/GRID bucket, losing up to one bucket
+        # per segment. Solving at slightly inflated budgets and keeping the cheapest result
+        # whose exact peak still fits recovers most of that loss.
+        for inflate in INFLATIONS:
+            again = within_budget(self.table, model_budget * (1 + inflate))
+            if again is None or again[0] >= best_cost:
+                continue
+            if _exact_peak(self.table, again[1]) <= model_budget:
+                best_cost, best_segs = again
+                break
+        return to_plan(self.graph, self.table, best_segs, self.name)
