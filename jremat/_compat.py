@@ -125,3 +125,15 @@ def name_stack(eqn: Any) -> str:
         return str(eqn.source_info.name_stack)
     except Exception:  # noqa: BLE001
         return ""
+
+
+def shard_map(fn: Any, mesh: Any, in_specs: Any, out_specs: Any) -> Any:
+    """`shard_map` without replication/VMA checking (`check_vma` since jax 0.7, `check_rep`
+    in `jax.experimental.shard_map` before)."""
+    if hasattr(jax, "shard_map"):
+        return jax.shard_map(
+            fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False
+        )
+    from jax.experimental.shard_map import shard_map as _sm  # pragma: no cover - old jax
+
+    return _sm(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_rep=False)

@@ -10,7 +10,7 @@ from typing import Any
 
 import jax
 
-from . import _compat
+from . import _compat, sharding
 from .trace import normalize_argnums
 
 
@@ -52,9 +52,41 @@ def _check_scalar_output(fn: Callable[..., Any], args: Sequence[Any]) -> None:
 
 
 def compile_step(fn: Callable[..., Any], args: Sequence[Any], argnums: tuple[int, ...]) -> Any:
-    """Lower and compile `jit(value_and_grad(fn, argnums))` for `args` (arrays or avals)."""
+    """Lower and compile `jit(value_and_grad(fn, argnums))` for `args` (arrays or avals, whose
+    shardings it compiles under: `memory_analysis()` is then per device)."""
     nums = argnums[0] if len(argnums) == 1 else argnums
     return jax.jit(jax.value_and_grad(fn, argnums=nums)).lower(*args).compile()
+
+
+def compile_figures(
+    fn: Callable[..., Any],
+    args: Sequence[Any],
+    argnums: tuple[int, ...],
+    *,
+    manual_axes: dict[str, int] | None = None,
+    scan_flops: bool = True,
+) -> tuple[Any, float]:
+    """`compile_step` and its FLOPs (scan bodies counted once per trip, when `scan_flops`).
+
+    With `manual_axes` ({name: size}, `jremat.sharding.manual_axes()` inside a `shard_map`
+    body) the per-device program is traced here, where the axis names are bound, and compiled
+    in a helper thread, outside the body's trace; a function naming those axes in collectives
+    is compiled under a `shard_map` over a mesh of the same axes (`jremat.sharding.bind_axes`).
+    """
+
+    def run(f: Callable[..., Any]) -> tuple[Any, float]:
+        exe = compile_step(f, args, argnums)
+        flops = xla_flops(exe)
+        if scan_flops:
+            flops += scan_flops_correction(f, args, argnums)
+        return exe, flops
+
+    if not manual_axes:
+        return run(fn)
+    jaxpr = jax.make_jaxpr(fn)(*args)
+    if sharding.uses_axes(jaxpr.jaxpr, list(manual_axes)):
+        fn = sharding.bind_axes(fn, manual_axes)
+    return sharding.outside_trace(lambda: run(fn))
 
 
 def measure(

@@ -21,7 +21,8 @@ import numpy as np
 
 from .budget import Budget, parse_budget
 from .errors import InfeasibleBudgetError
-from .measure import compile_step, scan_flops_correction, xla_flops
+from .measure import compile_figures
+from .sharding import manual_axes, shard_args
 from .plan import KEEP, Plan, Segment
 from .planners import PLANNERS
 from .planners.candidates import candidate_cuts, layer_spans
@@ -71,17 +72,27 @@ class Compiled:
 class Program:
     """One function at one signature: its graph, and compiled figures of plans on it."""
 
-    def __init__(self, fn: Callable[..., Any], args: Sequence[Any], argnums: int | Sequence[int]):
+    def __init__(
+        self,
+        fn: Callable[..., Any],
+        args: Sequence[Any],
+        argnums: int | Sequence[int],
+        in_shardings: Any = None,
+        mesh: Any = None,
+    ):
         if not callable(fn):
             raise TypeError(f"fn must be a callable, got {type(fn).__name__}")
         self.fn = fn
         self.nums = normalize_argnums(argnums, len(args))
-        self.args = abstract_args(args)
+        # shapes, dtypes and the sharding each argument runs under (jremat.sharding)
+        self.args = shard_args(args, in_shardings, mesh)
         _check_differentiable(self.args, self.nums)
         from .measure import _check_scalar_output
 
         _check_scalar_output(fn, self.args)
         self.graph: Graph = build_graph(fn, self.args, self.nums)
+        #: inside a shard_map body: its mesh axes, bound when compiling (see compile_step)
+        self.manual_axes = manual_axes()
         self._baseline: Compiled | None = None
         self.has_scan = _has_scan(self.graph)
         self._planners: dict = {}
@@ -101,12 +112,11 @@ class Program:
         if key not in self._steps:
             f = self.fn if plan is None else rematerialize(self.fn, plan)
             t0 = time.perf_counter()
-            exe = compile_step(f, self.args, self.nums)
+            exe, flops = compile_figures(
+                f, self.args, self.nums, manual_axes=self.manual_axes, scan_flops=self.has_scan
+            )
             seconds = time.perf_counter() - t0
             mem = exe.memory_analysis()
-            flops = xla_flops(exe)
-            if self.has_scan:
-                flops += scan_flops_correction(f, self.args, self.nums)
             fixed = mem.argument_size_in_bytes + mem.output_size_in_bytes - mem.alias_size_in_bytes
             compiled = Compiled(int(mem.temp_size_in_bytes), flops, int(fixed))
             self._steps[key] = (compiled, exe, seconds)
