@@ -19,6 +19,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from . import _compat
 from .budget import Budget, parse_budget
 from .errors import InfeasibleBudgetError
 from .measure import compile_figures
@@ -47,7 +48,9 @@ ANCHOR_RECIPES = (
 
 
 def abstract_args(args: Sequence[Any]) -> tuple[Any, ...]:
-    """Arguments as `jax.ShapeDtypeStruct`s (planning needs shapes and dtypes only)."""
+    """Arguments as `jax.ShapeDtypeStruct`s (planning needs shapes and dtypes, and inside a
+    `shard_map` body the axes each varies over). Shardings are attached by
+    `jremat.sharding.shard_args`."""
 
     def to_aval(x: Any) -> Any:
         if isinstance(x, jax.ShapeDtypeStruct):
@@ -56,6 +59,12 @@ def abstract_args(args: Sequence[Any]) -> tuple[Any, ...]:
             return jax.ShapeDtypeStruct((), jax.numpy.asarray(x).dtype, weak_type=True)
         if hasattr(x, "shape") and hasattr(x, "dtype"):
             weak = bool(getattr(getattr(x, "aval", x), "weak_type", False))
+            # inside a shard_map body: which mesh axes the value varies over is part of its
+            # type, and of the program it traces to
+            manual = _compat.manual_axis_type(x) if _compat.is_tracer(x) else None
+            if manual is not None:
+                sharding = jax.typeof(x).sharding  # over the body's (Manual) abstract mesh
+                return _compat.shape_dtype(x, manual=manual, weak_type=weak, sharding=sharding)
             return jax.ShapeDtypeStruct(x.shape, x.dtype, weak_type=weak)
         return x
 
@@ -188,8 +197,16 @@ def plan(
     verify: bool = True,
     max_rounds: int = 4,
     max_cuts: int = 160,
+    in_shardings: Any = None,
+    mesh: Any = None,
 ) -> Plan:
     """Plan the rematerialization of `fn` under a memory budget.
+
+    Under SPMD every figure is per device: arguments sharded over a mesh (sharded `jax.Array`s,
+    `jax.ShapeDtypeStruct(..., sharding=...)`, or `in_shardings=`) make the values' bytes the
+    bytes of one shard, and plans are compiled as `jit(value_and_grad(fn))` under those
+    shardings, whose `memory_analysis()` is per device. Called inside a `shard_map` body (as
+    `jremat.auto` is), the program is the per-device body, compiled over the same mesh axes.
 
     Args:
       fn: returns a scalar floating-point loss; positional array/pytree arguments.
@@ -208,6 +225,12 @@ def plan(
         the baseline is compiled; the plan may then miss the budget.
       max_rounds: how many plans verification may compile before settling.
       max_cuts: cut candidates the DP considers.
+      in_shardings: the shardings the arguments run under, as `jax.jit`'s `in_shardings`: a
+        `NamedSharding` or `PartitionSpec` for all arguments, or a tuple with a pytree prefix
+        of them (None: as the argument carries) per positional argument. Default: what the
+        arguments carry. Needed inside `jax.jit` in Auto sharding mode, whose tracers do not
+        reveal their shardings.
+      mesh: the mesh `PartitionSpec`s refer to (default: the one set by `jax.set_mesh`).
 
     Returns:
       A `Plan`; `Plan.identity` when the budget is at or above the unrematerialized program.
@@ -216,14 +239,17 @@ def plan(
       ValueError: an invalid budget (names the accepted forms) or unknown solver.
       InfeasibleBudgetError: no plan reaches the budget; states the smallest reachable budget
         in the caller's unit.
-      TypeError: `fn` does not return a scalar float, or `argnums` selects no float input.
+      TypeError: `fn` does not return a scalar float, or `argnums` selects no float input;
+        an `in_shardings` entry of another type.
+      ValueError (sharding): `in_shardings` does not match the arguments, a `PartitionSpec`
+        without a mesh, or a mesh needing more devices than exist (see `jremat.sharding`).
     """
     spec = parse_budget(budget)
     if solver not in SOLVERS:
         raise ValueError(f"solver={solver!r} is not known; accepted: {', '.join(SOLVERS)}")
     if not isinstance(max_rounds, int) or max_rounds < 1:
         raise ValueError(f"max_rounds must be an int >= 1, got {max_rounds!r}")
-    prog = Program(fn, args, argnums)
+    prog = Program(fn, args, argnums, in_shardings=in_shardings, mesh=mesh)
     return solve(prog, spec, solver=solver, verify=verify, max_rounds=max_rounds, max_cuts=max_cuts)
 
 

@@ -16,9 +16,10 @@ Measured facts this module rests on (CPU, 8 forced host devices, jax 0.10.2 and 
 * Inside a `shard_map` body the avals are already per-device; `get_abstract_mesh()` names the
   mesh axes (types `Manual`) and their sizes on both versions (`jax.lax.axis_size` works too).
   Compiling in the middle of the body's trace fails (an AssertionError in the lowering), so
-  jremat compiles in a helper thread (JAX's trace state is per thread); a body using
-  collectives (`psum`, ...) is compiled under a `shard_map` over a mesh with the same axis
-  names and sizes, with replicated `in_specs`, so that its axis names are bound.
+  jremat compiles in a helper thread (JAX's trace state is per thread), under a `shard_map`
+  over a fresh mesh with the same axis names and sizes (`bind_axes`): collectives (`psum`,
+  ...) have their axes bound, and each argument keeps the axes it varies over (the body's
+  jaxpr, with its `pvary`s, is part of what a plan is tied to).
 
 A value's sharding is kept as a per-dimension spec: one tuple of mesh axis names per dimension
 (`()` = not sharded). Per-device bytes divide each dimension by the product of its axes' sizes
@@ -214,7 +215,9 @@ def leaf_sharding(x: Any) -> Any:
     device, a ShapeDtypeStruct's sharding, or an explicit-mode tracer's (abstract) sharding."""
     if isinstance(x, jax.ShapeDtypeStruct):
         s = getattr(x, "sharding", None)
-        return s if isinstance(s, NamedSharding) else None
+        if not isinstance(s, NamedSharding) or _is_manual(s.mesh):
+            return None  # a shard_map body's value: per device already
+        return s
     if _compat.is_tracer(x):
         s = getattr(jax.typeof(x), "sharding", None)
         if isinstance(s, NamedSharding) and explicit_axes(s.mesh):
@@ -224,6 +227,10 @@ def leaf_sharding(x: Any) -> Any:
     if isinstance(s, NamedSharding) and s.mesh.size > 1:
         return s
     return None
+
+
+def _is_manual(mesh: Any) -> bool:
+    return any("Manual" in str(t) for t in (getattr(mesh, "axis_types", None) or ()))
 
 
 def concrete_mesh(mesh: Any) -> Any:
@@ -404,30 +411,42 @@ def manual_axes() -> dict[str, int]:
     return {n: sizes[n] for n in names}
 
 
-_COLLECTIVE_KEYS = ("axes", "axis_name")
+def bind_axes(
+    fn: Callable[..., Any], axes: Mapping[str, int], args: Sequence[Any]
+) -> tuple[Callable[..., Any], tuple]:
+    """The per-device program of a `shard_map` body, compilable on its own.
 
-
-def uses_axes(jaxpr: Any, names: Sequence[str]) -> bool:
-    """Whether an equation of `jaxpr` (or of a sub-jaxpr) names one of the mesh axes (psum,
-    all_gather, ppermute, axis_index, ...)."""
-    wanted = set(names)
-    for eqn in jaxpr.eqns:
-        for key in _COLLECTIVE_KEYS:
-            v = eqn.params.get(key)
-            vs = v if isinstance(v, (tuple, list, frozenset, set)) else (v,)
-            if any(isinstance(a, str) and a in wanted for a in vs):
-                return True
-        if any(uses_axes(j, names) for j in _compat.subjaxprs(eqn)):
-            return True
-    return False
-
-
-def bind_axes(fn: Callable[..., Any], axes: Mapping[str, int]) -> Callable[..., Any]:
-    """`fn` (a per-device `shard_map` body) under a `shard_map` over a fresh mesh with the
-    axis names and sizes `axes`, replicated in and out specs: the same per-device program,
-    with its collectives' axis names bound, compilable on its own."""
+    `fn` is the body (its collectives name the mesh axes `axes`, {name: size}) and `args` its
+    per-device arguments (ShapeDtypeStructs, with the manual-axis type of each inside the body).
+    Returns `(g, global_args)`: `g` runs `fn` under a `shard_map` over a fresh mesh with these
+    axes, each argument that varies over axes V given a leading dimension split over V (and
+    dropped inside), the others replicated, so that `fn` sees exactly the shapes and types it
+    sees in the body; `g` returns the sum of the per-device losses.
+    """
     mesh = make_mesh(dict(axes))
-    return _compat.shard_map(fn, mesh, in_specs=PartitionSpec(), out_specs=PartitionSpec())
+    flat, tree = jax.tree_util.tree_flatten(args)
+    specs, glob = [], []
+    for x in flat:
+        mat = getattr(x, "manual_axis_type", None)
+        varying = tuple(a for a in axes if mat is not None and a in getattr(mat, "varying", ()))
+        k = math.prod(axes[a] for a in varying)
+        specs.append(PartitionSpec(varying) if varying else PartitionSpec())
+        shape = (k, *x.shape) if varying else tuple(x.shape)
+        glob.append(jax.ShapeDtypeStruct(shape, x.dtype, weak_type=getattr(x, "weak_type", False)))
+    lifted = [bool(s) for s in specs]
+
+    def body(*flat_in: Any) -> Any:
+        local = [a.reshape(a.shape[1:]) if v else a for a, v in zip(flat_in, lifted, strict=True)]
+        out = fn(*jax.tree_util.tree_unflatten(tree, local))
+        return out.reshape((1,) * len(axes))
+
+    every = PartitionSpec(*axes)
+    sm = _compat.shard_map(body, mesh, in_specs=tuple(specs), out_specs=every, check=True)
+
+    def g(*a: Any) -> Any:
+        return sm(*jax.tree_util.tree_leaves(a)).sum()
+
+    return g, tuple(jax.tree_util.tree_unflatten(tree, glob))
 
 
 def outside_trace(thunk: Callable[[], Any]) -> Any:
