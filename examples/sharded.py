@@ -27,10 +27,18 @@ D, HEADS, SEQ, BATCH, VOCAB, DEPTH = 64, 4, 32, 16, 64, 3
 def init(key):
     k = iter(jax.random.split(key, 4 * DEPTH + 3))
     n = lambda shape, s: jax.random.normal(next(k), shape) * s  # noqa: E731
-    layer = lambda: {"wqkv": n((D, 3 * D), D**-0.5), "wo": n((D, D), D**-0.5),  # noqa: E731
-                     "w1": n((D, 4 * D), D**-0.5), "w2": n((4 * D, D), (4 * D) ** -0.5)}
-    return {"embed": n((VOCAB, D), 0.5), "pos": n((SEQ, D), 0.5),
-            "layers": [layer() for _ in range(DEPTH)], "head": n((D, VOCAB), D**-0.5)}
+    layer = lambda: {
+        "wqkv": n((D, 3 * D), D**-0.5),
+        "wo": n((D, D), D**-0.5),  # noqa: E731
+        "w1": n((D, 4 * D), D**-0.5),
+        "w2": n((4 * D, D), (4 * D) ** -0.5),
+    }
+    return {
+        "embed": n((VOCAB, D), 0.5),
+        "pos": n((SEQ, D), 0.5),
+        "layers": [layer() for _ in range(DEPTH)],
+        "head": n((D, VOCAB), D**-0.5),
+    }
 
 
 def norm(x):
@@ -55,8 +63,10 @@ def loss(params, tokens):
 
 
 def max_diff(a, b):
-    return max(float(jnp.max(jnp.abs(x - y)))
-               for x, y in zip(jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b)))
+    return max(
+        float(jnp.max(jnp.abs(x - y)))
+        for x, y in zip(jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b), strict=True)
+    )
 
 
 params = init(jax.random.PRNGKey(0))
@@ -64,11 +74,16 @@ tokens = jax.random.randint(jax.random.PRNGKey(1), (BATCH, SEQ + 1), 0, VOCAB)
 
 # -- sharded jit: batch over "data", Megatron tensor parallelism over "model" ------------------
 mesh = jax.make_mesh((2, 4), ("data", "model"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
-tp = {"wqkv": P(None, "model"), "wo": P("model", None), "w1": P(None, "model"),
-      "w2": P("model", None)}
+tp = {
+    "wqkv": P(None, "model"),
+    "wo": P("model", None),
+    "w1": P(None, "model"),
+    "w2": P("model", None),
+}
 specs = ({"embed": P(), "pos": P(), "layers": [tp] * DEPTH, "head": P()}, P("data"))
-shardings = jax.tree_util.tree_map(lambda s: NamedSharding(mesh, s), specs,
-                                   is_leaf=lambda s: isinstance(s, P))
+shardings = jax.tree_util.tree_map(
+    lambda s: NamedSharding(mesh, s), specs, is_leaf=lambda s: isinstance(s, P)
+)
 args = jax.device_put((params, tokens), shardings)
 
 # inside jit the tracers do not say how they are sharded (Auto mode): in_shardings does
@@ -81,25 +96,31 @@ after = jremat.measure(jremat.rematerialize(loss, plan), *args)  # sharded array
 single = jremat.measure(loss, params, tokens)
 print(f"one device, unrematerialized:    temp {single.temp_bytes / 2**20:6.2f} MiB")
 print(f"2x4 mesh, per device, no remat:  temp {before / 2**20:6.2f} MiB")
-print(f"2x4 mesh, per device, budget .5: temp {after.temp_bytes / 2**20:6.2f} MiB "
-      f"({after.temp_bytes / before:.0%}; {after.num_devices} devices)")
+print(
+    f"2x4 mesh, per device, budget .5: temp {after.temp_bytes / 2**20:6.2f} MiB "
+    f"({after.temp_bytes / before:.0%}; {after.num_devices} devices)"
+)
 print(f"max |grad - unrematerialized grad| = {max_diff(grads, ref):.1e}")
 assert after.temp_bytes <= 0.5 * before and max_diff(grads, ref) <= 1e-6
 
 # -- shard_map: auto inside the per-device body (its values are per device already) -----------
-dp = jax.make_mesh((2,), ("data",), axis_types=(jax.sharding.AxisType.Auto,),
-                   devices=jax.devices()[:2])  # 8 sequences per device
+dp = jax.make_mesh(
+    (2,), ("data",), axis_types=(jax.sharding.AxisType.Auto,), devices=jax.devices()[:2]
+)  # 8 sequences per device
 local = jremat.auto(loss, budget=0.5, max_rounds=2)
 
 
 def step(fn):
     body = lambda p, t: jax.lax.pmean(fn(p, t), "data")  # noqa: E731
-    return jax.jit(jax.grad(jax.shard_map(body, mesh=dp, in_specs=(P(), P("data")),
-                                          out_specs=P())))(params, tokens)
+    return jax.jit(
+        jax.grad(jax.shard_map(body, mesh=dp, in_specs=(P(), P("data")), out_specs=P()))
+    )(params, tokens)
 
 
 diff = max_diff(step(local), step(loss))
 (plan,) = local.plans.values()
-print(f"shard_map body, per device: temp {plan.baseline_temp_bytes / 2**20:.2f} -> "
-      f"{plan.measured_temp_bytes / 2**20:.2f} MiB, max grad diff {diff:.1e}")
+print(
+    f"shard_map body, per device: temp {plan.baseline_temp_bytes / 2**20:.2f} -> "
+    f"{plan.measured_temp_bytes / 2**20:.2f} MiB, max grad diff {diff:.1e}"
+)
 assert plan.measured_temp_bytes <= 0.5 * plan.baseline_temp_bytes and diff <= 1e-6

@@ -131,9 +131,7 @@ def shard_map(fn: Any, mesh: Any, in_specs: Any, out_specs: Any, check: bool = T
     """`jax.shard_map` with (`check`) or without varying-axes checking: the keyword is
     `check_vma` in `jax.shard_map`, `check_rep` in the older `jax.experimental.shard_map`."""
     if hasattr(jax, "shard_map"):
-        return jax.shard_map(
-            fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=check
-        )
+        return jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=check)
     from jax.experimental.shard_map import shard_map as _sm  # pragma: no cover - old jax
 
     return _sm(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_rep=check)

@@ -27,8 +27,8 @@ from typing import Any
 from .budget import parse_budget
 from .plan_cache import PlanCache
 from .planning import SOLVERS
-from .sharding import shard_args
 from .rewrite import rematerialize
+from .sharding import shard_args
 from .trace import build_graph, signature
 
 

@@ -153,7 +153,9 @@ def measure(
     if runs:
         if in_shardings is not None:  # place the arrays as the step was compiled for
             args = jax.tree_util.tree_map(
-                lambda x, a: x if getattr(a, "sharding", None) is None else jax.device_put(x, a.sharding),
+                lambda x, a: (
+                    x if getattr(a, "sharding", None) is None else jax.device_put(x, a.sharding)
+                ),
                 tuple(args),
                 avals,
             )

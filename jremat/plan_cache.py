@@ -58,11 +58,11 @@ import numpy as np
 
 from . import _compat
 from .budget import Budget, parse_budget
-from .sharding import sharding_key
 from .measure import compile_step, scan_flops_correction, xla_flops
 from .plan import KEEP, SAVE_NAMES, Plan, Segment
 from .planning import SOLVERS, Compiled, Program, abstract_args, plan, solve
 from .rewrite import run_graph
+from .sharding import sharding_key
 from .trace import Graph, build_graph, is_literal
 
 _DISABLED: contextvars.ContextVar[bool] = contextvars.ContextVar("jremat_disabled", default=False)

@@ -23,11 +23,11 @@ from . import _compat
 from .budget import Budget, parse_budget
 from .errors import InfeasibleBudgetError
 from .measure import compile_figures
-from .sharding import manual_axes, shard_args
 from .plan import KEEP, Plan, Segment
 from .planners import PLANNERS
 from .planners.candidates import candidate_cuts, layer_spans
 from .rewrite import rematerialize
+from .sharding import manual_axes, shard_args
 from .trace import Graph, _check_differentiable, build_graph, normalize_argnums
 
 SOLVERS = ("auto", "chain", "greedy", "dtr", "milp")

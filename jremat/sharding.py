@@ -135,7 +135,10 @@ def propagate(eqn: Any, in_specs: Sequence[Spec | None], in_shapes, out_shapes) 
     """
     name = eqn.primitive.name
     p = eqn.params
-    ins = [s if s is not None else replicated(len(sh)) for s, sh in zip(in_specs, in_shapes)]
+    ins = [
+        s if s is not None else replicated(len(sh))
+        for s, sh in zip(in_specs, in_shapes, strict=True)
+    ]
     outs: list[Spec] | None = None
     if name == "sharding_constraint":
         s = spec_of(p.get("sharding"), len(out_shapes[0]))
@@ -177,7 +180,10 @@ def propagate(eqn: Any, in_specs: Sequence[Spec | None], in_shapes, out_shapes) 
                 if n > score:
                     best, score = cand, n
             outs.append(best)
-    return [_dedupe(s) if len(s) == len(o) else replicated(len(o)) for s, o in zip(outs, out_shapes)]
+    return [
+        _dedupe(s) if len(s) == len(o) else replicated(len(o))
+        for s, o in zip(outs, out_shapes, strict=True)
+    ]
 
 
 def _reshape_spec(spec: Spec, old: Sequence[int], new: Sequence[int]) -> Spec:
@@ -203,7 +209,9 @@ def _reshape_spec(spec: Spec, old: Sequence[int], new: Sequence[int]) -> Spec:
                 b *= new[j]
         major_in = next((k for k in gi if old[k] != 1), gi[0])
         major_out = next((k for k in gj if new[k] != 1), gj[0])
-        if spec[major_in] and (len(gi) == 1 or old[major_in] == a // math.prod(old[k] for k in gi if k != major_in)):
+        if spec[major_in] and (
+            len(gi) == 1 or old[major_in] == a // math.prod(old[k] for k in gi if k != major_in)
+        ):
             out[major_out] = spec[major_in]
         i, j = gi[-1] + 1, gj[-1] + 1
     return tuple(out)
@@ -243,8 +251,10 @@ def concrete_mesh(mesh: Any) -> Any:
     if isinstance(mesh, jax.sharding.Mesh):
         return mesh
     types = getattr(mesh, "axis_types", None) or ("Auto",) * len(mesh.axis_names)
-    return make_mesh(mesh_axes(mesh), explicit=[n for n, t in zip(mesh.axis_names, types,
-                     strict=True) if "Explicit" in str(t)])
+    return make_mesh(
+        mesh_axes(mesh),
+        explicit=[n for n, t in zip(mesh.axis_names, types, strict=True) if "Explicit" in str(t)],
+    )
 
 
 def make_mesh(axes: Mapping[str, int], explicit: Sequence[str] = ()) -> Any:
@@ -337,7 +347,9 @@ def shard_args(args: Sequence[Any], in_shardings: Any = None, mesh: Any = None) 
                         lambda s, sub: [s] * len(jax.tree_util.tree_leaves(sub)),
                         g,
                         a,
-                        is_leaf=lambda s: s is None or isinstance(s, (NamedSharding, PartitionSpec)),
+                        is_leaf=lambda s: (
+                            s is None or isinstance(s, (NamedSharding, PartitionSpec))
+                        ),
                     )
                 )
             except (ValueError, TypeError) as e:
@@ -391,9 +403,7 @@ def sharding_key(args: Sequence[Any]) -> tuple:
     out = []
     for x in jax.tree_util.tree_leaves(args):
         s = leaf_sharding(x)
-        out.append(
-            None if s is None else (tuple(mesh_axes(s.mesh).items()), str(s.spec))
-        )
+        out.append(None if s is None else (tuple(mesh_axes(s.mesh).items()), str(s.spec)))
     return tuple(out) if any(o is not None for o in out) else ()
 
 

@@ -63,7 +63,9 @@ def test_shape_ops_move_specs():
     assert _out(sl, (("data",), ("model",))) == [(("data",), ())]
     cum = _eqn(lambda x: jax.lax.cumsum(x, axis=1), (8, 16))  # no rule: same-shape input's
     assert _out(cum, (("data",), ("model",))) == [(("data",), ("model",))]
-    one = jax.sharding.NamedSharding(jax.make_mesh((1,), ("model",), axis_types=(jax.sharding.AxisType.Auto,)), P(None, "model"))
+    one = jax.sharding.NamedSharding(
+        jax.make_mesh((1,), ("model",), axis_types=(jax.sharding.AxisType.Auto,)), P(None, "model")
+    )
     con = _eqn(lambda x: jax.lax.with_sharding_constraint(x, one), (8, 16))
     assert _out(con, (("data",), ())) == [((), ("model",))]
 
@@ -115,9 +117,7 @@ def test_multi_device_suite():
     env["XLA_FLAGS"] = (
         env.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
     ).strip()
-    env["PYTHONPATH"] = os.pathsep.join(
-        [str(here.parent), *filter(None, [env.get("PYTHONPATH")])]
-    )
+    env["PYTHONPATH"] = os.pathsep.join([str(here.parent), *filter(None, [env.get("PYTHONPATH")])])
     proc = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
          str(here / "test_sharding_8dev.py")],
