@@ -386,6 +386,11 @@ def signature(args: Sequence[Any]) -> tuple:
         if isinstance(x, (bool, int, float, complex)):
             return ((), type(x).__name__, True)
         weak = bool(getattr(getattr(x, "aval", x), "weak_type", False))
-        return (tuple(np.shape(x)), str(getattr(x, "dtype", type(x))), weak)
+        key = (tuple(np.shape(x)), str(getattr(x, "dtype", type(x))), weak)
+        if _compat.is_tracer(x):  # inside shard_map: the axes a value varies over
+            manual = _compat.manual_axis_type(x)
+            if manual is not None:
+                key += (tuple(sorted(manual.varying)),)
+        return key
 
     return (tree, tuple(key(x) for x in leaves), sharding.sharding_key(leaves))
