@@ -28,7 +28,7 @@ from .budget import parse_budget
 from .plan_cache import PlanCache
 from .planning import SOLVERS
 from .rewrite import rematerialize
-from .sharding import shard_args
+from .sharding import check_known, shard_args
 from .trace import build_graph, signature
 
 
@@ -225,6 +225,7 @@ def _auto_function(fn: Callable[..., Any], options: dict[str, Any]) -> Callable[
         with lock:
             if key not in runners:
                 avals = shard_args(args, options["in_shardings"], options["mesh"])
+                check_known(args, avals)
                 graph = build_graph(fn, avals)
                 p = cache.get(graph, fn, avals, argnums=options["argnums"])
                 plans[key] = p

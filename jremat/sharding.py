@@ -382,6 +382,26 @@ def shard_args(args: Sequence[Any], in_shardings: Any = None, mesh: Any = None) 
     return tuple(out)
 
 
+def check_known(args: Sequence[Any], avals: Sequence[Any]) -> None:
+    """Warn when `args` are tracers under a mesh (`jax.set_mesh`, Auto axes) whose shardings
+    jremat cannot see: it would plan the unpartitioned program. `in_shardings=` fixes it."""
+    leaves = jax.tree_util.tree_leaves(args)
+    if not any(_compat.is_tracer(x) for x in leaves) or manual_axes():
+        return
+    mesh = _ambient_mesh()
+    if mesh is None or arg_mesh(jax.tree_util.tree_leaves(avals)) is not None:
+        return
+    import warnings
+
+    warnings.warn(
+        f"jremat: called inside jax.jit under the mesh {mesh_axes(mesh)} (Auto sharding), where "
+        "tracers do not reveal how the arguments are sharded; planning the unpartitioned "
+        "program. Pass in_shardings= (as to jax.jit) to plan per device.",
+        RuntimeWarning,
+        stacklevel=3,
+    )
+
+
 def arg_mesh(flat_args: Sequence[Any]) -> Any:
     """The mesh the arguments are sharded over (None when none is sharded).
 

@@ -126,4 +126,4 @@ def test_multi_device_suite():
     tail = proc.stdout[-4000:] + proc.stderr[-2000:]
     assert proc.returncode == 0, tail
     summary = proc.stdout.strip().splitlines()[-1]
-    assert re.search(r"\b9 passed\b", summary) and "skipped" not in summary, tail
+    assert re.search(r"\b10 passed\b", summary) and "skipped" not in summary, tail

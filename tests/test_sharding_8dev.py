@@ -210,3 +210,12 @@ def test_byte_budget_is_per_device(chain):
     assert p.measured_temp_bytes + fixed <= budget
     # on one device the same byte budget is far below the unrematerialized step's footprint
     assert budget < 0.5 * jremat.measure(chain.loss, *chain.args).footprint_bytes
+
+
+def test_auto_warns_when_the_shardings_are_hidden(chain):
+    """Inside jit under `jax.set_mesh` (Auto axes) the tracers hide their shardings: without
+    in_shardings, auto says it plans the unpartitioned program."""
+    mesh = jax.make_mesh((8,), ("data",), axis_types=(AUTO,))
+    f = jremat.auto(chain.loss, budget=0.9, verify=False)
+    with jax.set_mesh(mesh), pytest.warns(RuntimeWarning, match="Pass in_shardings="):
+        jax.jit(jax.grad(f))(*chain.args)
