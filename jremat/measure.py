@@ -76,25 +76,17 @@ def compile_figures(
     memory figures are those of one device.
     """
 
-    def run(f: Callable[..., Any]) -> tuple[Any, float]:
-        exe = compile_step(f, args, argnums)
+    def run(f: Callable[..., Any], a: Sequence[Any]) -> tuple[Any, float]:
+        exe = compile_step(f, a, argnums)
         flops = xla_flops(exe)
         if scan_flops:
-            flops += scan_flops_correction(f, args, argnums)
+            flops += scan_flops_correction(f, a, argnums)
         return exe, flops
 
     if not manual_axes:
-        return run(fn)
+        return run(fn, args)
     g, global_args = sharding.bind_axes(fn, manual_axes, args)
-
-    def run_bound() -> tuple[Any, float]:
-        exe = compile_step(g, global_args, argnums)
-        flops = xla_flops(exe)
-        if scan_flops:
-            flops += scan_flops_correction(g, global_args, argnums)
-        return exe, flops
-
-    return sharding.outside_trace(run_bound)
+    return sharding.outside_trace(lambda: run(g, global_args))
 
 
 def measure(
