@@ -187,8 +187,10 @@ def propagate(eqn: Any, in_specs: Sequence[Spec | None], in_shapes, out_shapes) 
 
 
 def _reshape_spec(spec: Spec, old: Sequence[int], new: Sequence[int]) -> Spec:
-    """Map a spec through a reshape: a sharded dimension keeps its axes when it survives
-    (same size) or is the major dimension of a merge or split whose size stays divisible."""
+    """Map a spec through a reshape: dimensions are grouped where their sizes' products
+    agree; the major (first non-1) dimension of each input group passes its axes to the major
+    dimension of the output group (a dimension that survives, or the outer dimension of a
+    merge or split). Others end unsharded (XLA would reshard them)."""
     out: list[tuple[str, ...]] = [()] * len(new)
     i = j = 0
     while i < len(old) and j < len(new):
@@ -209,9 +211,7 @@ def _reshape_spec(spec: Spec, old: Sequence[int], new: Sequence[int]) -> Spec:
                 b *= new[j]
         major_in = next((k for k in gi if old[k] != 1), gi[0])
         major_out = next((k for k in gj if new[k] != 1), gj[0])
-        if spec[major_in] and (
-            len(gi) == 1 or old[major_in] == a // math.prod(old[k] for k in gi if k != major_in)
-        ):
+        if spec[major_in]:  # a sharded minor dimension of a merge is left unsharded
             out[major_out] = spec[major_in]
         i, j = gi[-1] + 1, gj[-1] + 1
     return tuple(out)
