@@ -53,11 +53,15 @@ def main() -> None:
         if i % 20 == 0 or i == STEPS - 1:
             print(f"step {i:4d}  loss {losses[-1]:.4f}  ({time.perf_counter() - t0:.1f} s)")
     for p in remat_loss.plans.values():
-        print(f"jremat.auto plan (one microbatch of {BATCH // K}): compiled temp "
-              f"{p.measured_temp_bytes:,} B vs {p.baseline_temp_bytes:,} B unrematerialized")
+        print(
+            f"jremat.auto plan (one microbatch of {BATCH // K}): compiled temp "
+            f"{p.measured_temp_bytes:,} B vs {p.baseline_temp_bytes:,} B unrematerialized"
+        )
     first, last = float(np.mean(losses[:20])), float(np.mean(losses[-20:]))
-    print(f"mean loss, first 20 steps: {first:.4f}; last 20 steps: {last:.4f} "
-          f"(ln 257 = {np.log(257):.4f} is chance)")
+    print(
+        f"mean loss, first 20 steps: {first:.4f}; last 20 steps: {last:.4f} "
+        f"(ln 257 = {np.log(257):.4f} is chance)"
+    )
     assert last < first, "the loss did not fall"
 
     # plan_training: a byte budget the plain (k=1, no remat) Adam step exceeds.

@@ -136,3 +136,32 @@ def in_host_memory(x: Any) -> bool:
     `memory_space` is `MemorySpace.Host`, jax 0.10 and 0.12 alike)."""
     space = getattr(getattr(x, "aval", None), "memory_space", None)
     return space is not None and str(space).rsplit(".", 1)[-1].lower() == "host"
+
+
+def shard_map(fn: Any, mesh: Any, in_specs: Any, out_specs: Any, check: bool = True) -> Any:
+    """`jax.shard_map` with (`check`) or without varying-axes checking: the keyword is
+    `check_vma` in `jax.shard_map`, `check_rep` in the older `jax.experimental.shard_map`."""
+    if hasattr(jax, "shard_map"):
+        return jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=check)
+    from jax.experimental.shard_map import shard_map as _sm  # pragma: no cover - old jax
+
+    return _sm(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_rep=check)
+
+
+def manual_axis_type(x: Any) -> Any:
+    """The manual-axis type of a value traced inside a `shard_map` body (which mesh axes it
+    varies over: `.varying`), or None when it varies over none. jax 0.10 and 0.12 keep it as
+    `aval.mat`; the ShapeDtypeStruct keyword is `manual_axis_type`."""
+    try:
+        mat = getattr(jax.typeof(x), "mat", None)
+    except TypeError:
+        return None
+    return mat if mat is not None and getattr(mat, "varying", None) else None
+
+
+def shape_dtype(x: Any, shape: Any = None, manual: Any = None, **kw: Any) -> Any:
+    """`jax.ShapeDtypeStruct` of `x`'s dtype (and shape unless given), carrying `manual` (a
+    manual-axis type from `manual_axis_type`) when not None."""
+    if manual is not None:
+        kw["manual_axis_type"] = manual
+    return jax.ShapeDtypeStruct(x.shape if shape is None else shape, x.dtype, **kw)

@@ -26,8 +26,9 @@ from typing import Any
 
 from .budget import parse_budget
 from .plan_cache import PlanCache
-from .planning import SOLVERS, abstract_args
+from .planning import SOLVERS
 from .rewrite import rematerialize
+from .sharding import check_known, shard_args
 from .trace import build_graph, signature
 
 
@@ -46,6 +47,8 @@ def auto(
     variables: Any = True,
     rngs: Any = True,
     plan_dir: str | os.PathLike | None = None,
+    in_shardings: Any = None,
+    mesh: Any = None,
 ) -> Any:
     """Rematerialize a function or a Flax module automatically under a memory budget.
 
@@ -93,6 +96,15 @@ def auto(
       plan_dir: a folder for saved plans: each plan is written there as JSON, keyed by a
         stable hash of the signature, budget and program fingerprint, and loaded instead of
         solved when a later run meets the same key (see `jremat.plan_cache.PlanCache`).
+      in_shardings: plain loss functions: the shardings the arguments run under, as in
+        `jax.jit` (a `NamedSharding`/`PartitionSpec` for all, or a tuple of pytree prefixes,
+        one per argument). Needed when `fn` is called inside `jax.jit` in JAX's default (Auto)
+        sharding mode, where the tracers do not say how they are sharded; sharded concrete
+        arrays and explicit-mode tracers (`jax.sharding.AxisType.Explicit`) carry theirs.
+        Budgets are then per device: a fraction is of the unrematerialized per-device temp
+        bytes, bytes cap one device's footprint. Inside a `shard_map` body nothing is needed:
+        the body's values are per device already.
+      mesh: the mesh `PartitionSpec`s in `in_shardings` refer to (default: `jax.set_mesh`'s).
 
     Returns:
       For a function, the wrapped function: `wrapper.plans` maps signatures to their `Plan`
@@ -121,6 +133,8 @@ def auto(
         variables=variables,
         rngs=rngs,
         plan_dir=plan_dir,
+        in_shardings=in_shardings,
+        mesh=mesh,
     )
     parse_budget(budget)
     if solver is not None and solver not in SOLVERS:
@@ -210,7 +224,8 @@ def _auto_function(fn: Callable[..., Any], options: dict[str, Any]) -> Callable[
         key = signature(args)
         with lock:
             if key not in runners:
-                avals = abstract_args(args)
+                avals = shard_args(args, options["in_shardings"], options["mesh"])
+                check_known(args, avals)
                 graph = build_graph(fn, avals)
                 p = cache.get(graph, fn, avals, argnums=options["argnums"])
                 plans[key] = p

@@ -10,7 +10,7 @@ from typing import Any
 
 import jax
 
-from . import _compat
+from . import _compat, sharding
 from .trace import normalize_argnums
 
 
@@ -26,6 +26,7 @@ class Measurement:
       compile_seconds: wall seconds to lower and compile.
       step_seconds: median wall seconds of one executed step over `runs`, or None.
       argument_bytes, output_bytes, alias_bytes: the other terms of the footprint.
+      num_devices: devices the step is partitioned over; every byte figure is per device.
     """
 
     temp_bytes: int
@@ -36,6 +37,7 @@ class Measurement:
     argument_bytes: int = 0
     output_bytes: int = 0
     alias_bytes: int = 0
+    num_devices: int = 1
 
 
 def _check_scalar_output(fn: Callable[..., Any], args: Sequence[Any]) -> None:
@@ -52,15 +54,54 @@ def _check_scalar_output(fn: Callable[..., Any], args: Sequence[Any]) -> None:
 
 
 def compile_step(fn: Callable[..., Any], args: Sequence[Any], argnums: tuple[int, ...]) -> Any:
-    """Lower and compile `jit(value_and_grad(fn, argnums))` for `args` (arrays or avals)."""
+    """Lower and compile `jit(value_and_grad(fn, argnums))` for `args` (arrays or avals, whose
+    shardings it compiles under: `memory_analysis()` is then per device)."""
     nums = argnums[0] if len(argnums) == 1 else argnums
     return jax.jit(jax.value_and_grad(fn, argnums=nums)).lower(*args).compile()
 
 
+def compile_figures(
+    fn: Callable[..., Any],
+    args: Sequence[Any],
+    argnums: tuple[int, ...],
+    *,
+    manual_axes: dict[str, int] | None = None,
+    scan_flops: bool = True,
+) -> tuple[Any, float]:
+    """`compile_step` and its FLOPs (scan bodies counted once per trip, when `scan_flops`).
+
+    With `manual_axes` ({name: size}, `jremat.sharding.manual_axes()` inside a `shard_map`
+    body) the per-device program is compiled in a helper thread, outside the body's trace,
+    under a `shard_map` over a mesh of the same axes (`jremat.sharding.bind_axes`); its
+    memory figures are those of one device.
+    """
+
+    def run(f: Callable[..., Any], a: Sequence[Any]) -> tuple[Any, float]:
+        exe = compile_step(f, a, argnums)
+        flops = xla_flops(exe)
+        if scan_flops:
+            flops += scan_flops_correction(f, a, argnums)
+        return exe, flops
+
+    if not manual_axes:
+        return run(fn, args)
+    g, global_args = sharding.bind_axes(fn, manual_axes, args)
+    return sharding.outside_trace(lambda: run(g, global_args))
+
+
 def measure(
-    fn: Callable[..., Any], *args: Any, argnums: int | Sequence[int] = 0, runs: int = 0
+    fn: Callable[..., Any],
+    *args: Any,
+    argnums: int | Sequence[int] = 0,
+    runs: int = 0,
+    in_shardings: Any = None,
+    mesh: Any = None,
 ) -> Measurement:
     """Compile one training step of `fn` and report XLA's memory and FLOPs.
+
+    Arguments sharded over a mesh (sharded `jax.Array`s, `jax.ShapeDtypeStruct`s with a
+    `sharding`, or `in_shardings=`) compile the partitioned step, and the byte figures are
+    per device (XLA's `memory_analysis()` of the SPMD program).
 
     Args:
       fn: returns a scalar floating-point loss; positional array/pytree arguments.
@@ -68,6 +109,9 @@ def measure(
       argnums: arguments to differentiate (int or tuple of ints), as in `jax.grad`.
       runs: when > 0, execute the compiled step `runs` times (after one warm-up) and report
         the median wall seconds in `step_seconds`.
+      in_shardings: the arguments' shardings, as in `jax.jit` and `jremat.plan`; default: what
+        the arguments carry.
+      mesh: the mesh `PartitionSpec`s in `in_shardings` refer to (default: `jax.set_mesh`'s).
 
     Returns:
       A `Measurement`. Figures other than seconds are deterministic for a given program.
@@ -75,7 +119,8 @@ def measure(
     Raises:
       TypeError: `fn` does not return a scalar float, or an argument at `argnums` has no
         floating-point leaves.
-      ValueError: `argnums` out of range or `runs` negative.
+      ValueError: `argnums` out of range or `runs` negative; `in_shardings` not matching the
+        arguments, or naming a mesh larger than the devices (see `jremat.sharding.shard_args`).
     """
     from .trace import _check_differentiable
 
@@ -83,9 +128,10 @@ def measure(
     if not isinstance(runs, int) or isinstance(runs, bool) or runs < 0:
         raise ValueError(f"runs must be a non-negative int, got {runs!r}")
     _check_differentiable(args, nums)
-    _check_scalar_output(fn, args)
+    avals = sharding.shard_args(args, in_shardings, mesh)
+    _check_scalar_output(fn, avals)
     t0 = time.perf_counter()
-    compiled = compile_step(fn, args, nums)
+    compiled = compile_step(fn, avals, nums)
     compile_seconds = time.perf_counter() - t0
     mem = compiled.memory_analysis()
     temp = int(mem.temp_size_in_bytes)
@@ -94,9 +140,17 @@ def measure(
         int(mem.output_size_in_bytes),
         int(mem.alias_size_in_bytes),
     )
-    flops = xla_flops(compiled) + scan_flops_correction(fn, args, nums)
+    flops = xla_flops(compiled) + scan_flops_correction(fn, avals, nums)
     step = None
     if runs:
+        if in_shardings is not None:  # place the arrays as the step was compiled for
+            args = jax.tree_util.tree_map(
+                lambda x, a: (
+                    x if getattr(a, "sharding", None) is None else jax.device_put(x, a.sharding)
+                ),
+                tuple(args),
+                avals,
+            )
         jax.block_until_ready(compiled(*args))  # warm-up
         step = median_step_seconds(compiled, args, runs)
     return Measurement(
@@ -108,7 +162,14 @@ def measure(
         argument_bytes=arg,
         output_bytes=out,
         alias_bytes=alias,
+        num_devices=mesh_size(avals),
     )
+
+
+def mesh_size(avals: Sequence[Any]) -> int:
+    """Devices of the mesh the arguments are sharded over (1 when none is)."""
+    m = sharding.arg_mesh(jax.tree_util.tree_leaves(avals))
+    return 1 if m is None else int(m.size)
 
 
 def median_step_seconds(executable: Any, args: Sequence[Any], runs: int) -> float:

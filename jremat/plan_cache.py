@@ -62,6 +62,7 @@ from .measure import compile_step, scan_flops_correction, xla_flops
 from .plan import KEEP, SAVE_NAMES, Plan, Segment
 from .planning import SOLVERS, Compiled, Program, abstract_args, plan, solve
 from .rewrite import run_graph
+from .sharding import sharding_key
 from .trace import Graph, build_graph, is_literal
 
 _DISABLED: contextvars.ContextVar[bool] = contextvars.ContextVar("jremat_disabled", default=False)
@@ -148,6 +149,7 @@ class PlanCache:
     def key(self, graph: Graph, args: Sequence[Any], kind: str = "function") -> tuple[str, str]:
         """(key, readable signature) of a program; stable across processes."""
         sig = describe_signature(args)
+        shard_key = sharding_key(args)
         payload = json.dumps(
             {
                 "kind": kind,
@@ -157,6 +159,7 @@ class PlanCache:
                 "budget": repr(self.budget),
                 "solver": self.solver,
                 "verify": bool(self.verify),
+                **({"sharding": repr(shard_key)} if shard_key else {}),
             },
             sort_keys=True,
         )

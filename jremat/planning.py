@@ -20,15 +20,16 @@ from typing import Any
 import jax
 import numpy as np
 
-from . import mixing
+from . import _compat, mixing
 from .budget import Budget, parse_budget
 from .errors import InfeasibleBudgetError
-from .measure import compile_step, scan_flops_correction, xla_flops
+from .measure import compile_figures
 from .offload import OffloadCost, host_offload_effective, parse_offload
 from .plan import KEEP, Plan, Segment
 from .planners import PLANNERS
 from .planners.candidates import candidate_cuts, layer_spans
 from .rewrite import rematerialize
+from .sharding import manual_axes, shard_args
 from .trace import Graph, _check_differentiable, build_graph, normalize_argnums
 
 SOLVERS = ("auto", "chain", "greedy", "dtr", "milp")
@@ -49,7 +50,9 @@ ANCHOR_RECIPES = (
 
 
 def abstract_args(args: Sequence[Any]) -> tuple[Any, ...]:
-    """Arguments as `jax.ShapeDtypeStruct`s (planning needs shapes and dtypes only)."""
+    """Arguments as `jax.ShapeDtypeStruct`s (planning needs shapes and dtypes, and inside a
+    `shard_map` body the axes each varies over). Shardings are attached by
+    `jremat.sharding.shard_args`."""
 
     def to_aval(x: Any) -> Any:
         if isinstance(x, jax.ShapeDtypeStruct):
@@ -58,6 +61,12 @@ def abstract_args(args: Sequence[Any]) -> tuple[Any, ...]:
             return jax.ShapeDtypeStruct((), jax.numpy.asarray(x).dtype, weak_type=True)
         if hasattr(x, "shape") and hasattr(x, "dtype"):
             weak = bool(getattr(getattr(x, "aval", x), "weak_type", False))
+            # inside a shard_map body: which mesh axes the value varies over is part of its
+            # type, and of the program it traces to
+            manual = _compat.manual_axis_type(x) if _compat.is_tracer(x) else None
+            if manual is not None:
+                sharding = jax.typeof(x).sharding  # over the body's (Manual) abstract mesh
+                return _compat.shape_dtype(x, manual=manual, weak_type=weak, sharding=sharding)
             return jax.ShapeDtypeStruct(x.shape, x.dtype, weak_type=weak)
         return x
 
@@ -78,17 +87,27 @@ class Compiled:
 class Program:
     """One function at one signature: its graph, and compiled figures of plans on it."""
 
-    def __init__(self, fn: Callable[..., Any], args: Sequence[Any], argnums: int | Sequence[int]):
+    def __init__(
+        self,
+        fn: Callable[..., Any],
+        args: Sequence[Any],
+        argnums: int | Sequence[int],
+        in_shardings: Any = None,
+        mesh: Any = None,
+    ):
         if not callable(fn):
             raise TypeError(f"fn must be a callable, got {type(fn).__name__}")
         self.fn = fn
         self.nums = normalize_argnums(argnums, len(args))
-        self.args = abstract_args(args)
+        # shapes, dtypes and the sharding each argument runs under (jremat.sharding)
+        self.args = shard_args(args, in_shardings, mesh)
         _check_differentiable(self.args, self.nums)
         from .measure import _check_scalar_output
 
         _check_scalar_output(fn, self.args)
         self.graph: Graph = build_graph(fn, self.args, self.nums)
+        #: inside a shard_map body: its mesh axes, bound when compiling (see compile_step)
+        self.manual_axes = manual_axes()
         self._baseline: Compiled | None = None
         self.has_scan = _has_scan(self.graph)
         self._planners: dict = {}
@@ -108,12 +127,11 @@ class Program:
         if key not in self._steps:
             f = self.fn if plan is None else rematerialize(self.fn, plan)
             t0 = time.perf_counter()
-            exe = compile_step(f, self.args, self.nums)
+            exe, flops = compile_figures(
+                f, self.args, self.nums, manual_axes=self.manual_axes, scan_flops=self.has_scan
+            )
             seconds = time.perf_counter() - t0
             mem = exe.memory_analysis()
-            flops = xla_flops(exe)
-            if self.has_scan:
-                flops += scan_flops_correction(f, self.args, self.nums)
             fixed = mem.argument_size_in_bytes + mem.output_size_in_bytes - mem.alias_size_in_bytes
             compiled = Compiled(int(mem.temp_size_in_bytes), flops, int(fixed))
             if _offloads(plan) and not host_offload_effective():
@@ -204,8 +222,16 @@ def plan(
     max_rounds: int = 4,
     max_cuts: int = 160,
     offload: bool | OffloadCost | None = None,
+    in_shardings: Any = None,
+    mesh: Any = None,
 ) -> Plan:
     """Plan the rematerialization of `fn` under a memory budget.
+
+    Under SPMD every figure is per device: arguments sharded over a mesh (sharded `jax.Array`s,
+    `jax.ShapeDtypeStruct(..., sharding=...)`, or `in_shardings=`) make the values' bytes the
+    bytes of one shard, and plans are compiled as `jit(value_and_grad(fn))` under those
+    shardings, whose `memory_analysis()` is per device. Called inside a `shard_map` body (as
+    `jremat.auto` is), the program is the per-device body, compiled over the same mesh axes.
 
     Args:
       fn: returns a scalar floating-point loss; positional array/pytree arguments.
@@ -232,6 +258,12 @@ def plan(
         where offloading has no memory effect (CPU), the plan still compiles and runs, and
         its device memory is verified on the plan with those values recomputed (`Plan.notes`
         says so). The "dtr" solver never offloads.
+      in_shardings: the shardings the arguments run under, as `jax.jit`'s `in_shardings`: a
+        `NamedSharding` or `PartitionSpec` for all arguments, or a tuple with a pytree prefix
+        of them (None: as the argument carries) per positional argument. Default: what the
+        arguments carry. Needed inside `jax.jit` in Auto sharding mode, whose tracers do not
+        reveal their shardings.
+      mesh: the mesh `PartitionSpec`s refer to (default: the one set by `jax.set_mesh`).
 
     Returns:
       A `Plan`; `Plan.identity` when the budget is at or above the unrematerialized program.
@@ -241,7 +273,9 @@ def plan(
       InfeasibleBudgetError: no plan reaches the budget; states the smallest reachable budget
         in the caller's unit.
       TypeError: `fn` does not return a scalar float, or `argnums` selects no float input;
-        `offload` is not one of the accepted forms.
+        an `in_shardings` entry of another type; `offload` is not one of the accepted forms.
+      ValueError (sharding): `in_shardings` does not match the arguments, a `PartitionSpec`
+        without a mesh, or a mesh needing more devices than exist (see `jremat.sharding`).
     """
     spec = parse_budget(budget)
     offload_cost = parse_offload(offload)
@@ -249,7 +283,7 @@ def plan(
         raise ValueError(f"solver={solver!r} is not known; accepted: {', '.join(SOLVERS)}")
     if not isinstance(max_rounds, int) or max_rounds < 1:
         raise ValueError(f"max_rounds must be an int >= 1, got {max_rounds!r}")
-    prog = Program(fn, args, argnums)
+    prog = Program(fn, args, argnums, in_shardings=in_shardings, mesh=mesh)
     return solve(
         prog,
         spec,

@@ -166,7 +166,7 @@ def tied_checkpoint(
 
     def bwd(vjp_fn, ct):
         floats = [c for c in jax.tree_util.tree_leaves(ct) if _compat.is_float_dtype(c.dtype)]
-        tie = sum(c.reshape(-1)[0].astype("float32") for c in floats if c.size) * 0.0
+        tie = sum(_one_element(c).astype("float32") for c in floats if c.size) * 0.0
 
         def tied(r):
             if not _compat.is_float_dtype(r.dtype) or _compat.in_host_memory(r):
@@ -177,6 +177,15 @@ def tied_checkpoint(
 
     f.defvjp(fwd, bwd)
     return f
+
+
+def _one_element(c: Any) -> Any:
+    """A scalar read from `c`: its first element, or under explicit sharding (where slicing a
+    sharded dimension to size 1 is not implemented) its minimum."""
+    spec = getattr(getattr(jax.typeof(c), "sharding", None), "spec", None)
+    if spec is not None and any(e is not None for e in spec):
+        return c.min()
+    return c.reshape(-1)[0]
 
 
 def segment_policy(seg: Segment) -> Callable[..., Any]:

@@ -15,7 +15,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from . import _compat, cost_model
+from . import _compat, cost_model, sharding
 
 ARG = -1  # producer index of a function argument
 CONST = -2  # producer index of a captured constant
@@ -23,7 +23,12 @@ CONST = -2  # producer index of a captured constant
 
 @dataclasses.dataclass(frozen=True)
 class Value:
-    """One array in the program: `nbytes` on device, produced by node `producer`."""
+    """One array in the program: `nbytes` on each device, produced by node `producer`.
+
+    `shape` is the global shape. Under sharding (see `jremat.sharding`) `spec` holds the mesh
+    axes of each dimension, `nbytes` the bytes of one device's shard and `global_nbytes` those
+    of the whole array; unsharded, both byte counts agree and `spec` is None.
+    """
 
     id: int
     shape: tuple[int, ...]
@@ -31,6 +36,8 @@ class Value:
     nbytes: int
     producer: int
     is_float: bool
+    global_nbytes: int | None = None
+    spec: tuple[tuple[str, ...], ...] | None = None
 
 
 @dataclasses.dataclass
@@ -62,6 +69,7 @@ class Graph:
       diff_invars: for each argument, whether it is differentiated (in `argnums`, floating).
       in_tree, out_tree: pytree structures of the arguments and outputs.
       fingerprint: a hash of the equations and avals; plans are tied to it.
+      mesh_axes: {mesh axis name: size} the values are sharded over ({} on one device).
     """
 
     values: list[Value]
@@ -74,6 +82,7 @@ class Graph:
     out_tree: Any
     fingerprint: str
     consumers: list[list[int]] = dataclasses.field(default_factory=list)
+    mesh_axes: dict[str, int] = dataclasses.field(default_factory=dict)
 
     @property
     def num_nodes(self) -> int:
@@ -93,25 +102,47 @@ def is_literal(x: Any) -> bool:
 
 
 class _Builder:
-    def __init__(self) -> None:
+    def __init__(self, axes: dict[str, int] | None = None) -> None:
         self.values: list[Value] = []
         self.nodes: list[Node] = []
         self.consts: dict[int, Any] = {}
+        self.axes: dict[str, int] = dict(axes or {})
 
-    def new_value(self, aval: Any, producer: int) -> int:
+    def new_value(self, aval: Any, producer: int, spec: Any = None) -> int:
         vid = len(self.values)
         dtype = getattr(aval, "dtype", None)
+        shape = tuple(getattr(aval, "shape", ()))
+        explicit = sharding.aval_spec(aval)
+        if explicit is not None:  # explicit sharding mode: the aval says it
+            spec, axes = explicit
+            self.axes.update(axes)
+        nbytes = _compat.aval_nbytes(aval)
+        if spec is not None and not any(spec):
+            spec = None
         self.values.append(
             Value(
                 id=vid,
-                shape=tuple(getattr(aval, "shape", ())),
+                shape=shape,
                 dtype=str(dtype),
-                nbytes=_compat.aval_nbytes(aval),
+                nbytes=sharding.per_device_nbytes(nbytes, shape, spec, self.axes),
                 producer=producer,
                 is_float=_compat.is_float_dtype(dtype),
+                global_nbytes=nbytes,
+                spec=spec,
             )
         )
         return vid
+
+    def out_specs(self, eqn: Any, ins: Sequence[Any]) -> list[Any]:
+        """Specs of an equation's outputs propagated from its inputs (None when unsharded)."""
+        if not self.axes:
+            return [None] * len(eqn.outvars)
+        in_specs = [None if not isinstance(x, int) else self.values[x].spec for x in ins]
+        if not any(in_specs) and eqn.primitive.name != "sharding_constraint":
+            return [None] * len(eqn.outvars)
+        in_shapes = [tuple(getattr(v.aval, "shape", ())) for v in eqn.invars]
+        out_shapes = [tuple(getattr(v.aval, "shape", ())) for v in eqn.outvars]
+        return sharding.propagate(eqn, in_specs, in_shapes, out_shapes)
 
     def add_jaxpr(self, jaxpr: Any, consts: Sequence[Any], in_ids: Sequence[Any], stack: str):
         env: dict[Any, Any] = {}
@@ -139,7 +170,10 @@ class _Builder:
                     env[var] = o
                 continue
             index = len(self.nodes)
-            out_ids = tuple(self.new_value(v.aval, index) for v in eqn.outvars)
+            specs = self.out_specs(eqn, ins)
+            out_ids = tuple(
+                self.new_value(v.aval, index, sp) for v, sp in zip(eqn.outvars, specs, strict=True)
+            )
             for var, o in zip(eqn.outvars, out_ids, strict=True):
                 env[var] = o
             in_pos, out_pos = cost_model.residual_positions(eqn)
@@ -154,12 +188,23 @@ class _Builder:
                     outputs=out_ids,
                     flops=cost_model.eqn_flops(eqn),
                     residuals=tuple(dict.fromkeys(res)),
-                    internal_bytes=cost_model.internal_residual_bytes(eqn),
+                    internal_bytes=self.local_internal_bytes(eqn, out_ids),
                     source=_compat.source_summary(eqn),
                     name_stack=inner_stack,
                 )
             )
         return [read(v) for v in jaxpr.outvars]
+
+    def local_internal_bytes(self, eqn: Any, out_ids: Sequence[int]) -> int:
+        """Per-device residual bytes kept inside a control-flow node: its global figure,
+        scaled like its outputs' (a scan's stacked residuals follow its carry's sharding)."""
+        total = cost_model.internal_residual_bytes(eqn)
+        ratios = [
+            self.values[o].nbytes / self.values[o].global_nbytes
+            for o in out_ids
+            if self.values[o].global_nbytes
+        ]
+        return int(total * max(ratios)) if ratios and total else total
 
 
 def _join(a: str, b: str) -> str:
@@ -231,14 +276,19 @@ def build_graph(fn: Callable[..., Any], args: Sequence[Any], nums: tuple[int, ..
     """`trace` without argument checks (used when re-evaluating a known program)."""
     closed_jaxpr, out_shape = jax.make_jaxpr(fn, return_shape=True)(*args)
     flat_args, in_tree = jax.tree_util.tree_flatten(args)
+    mesh = sharding.arg_mesh(flat_args)
+    axes = sharding.mesh_axes(mesh) if mesh is not None else {}
     out_tree = jax.tree_util.tree_structure(out_shape)
     diff = []
     for i, a in enumerate(args):
         for x in jax.tree_util.tree_leaves(a):
             diff.append(i in nums and _compat.is_float_dtype(getattr(x, "dtype", None)))
-    b = _Builder()
+    b = _Builder(axes)
     jaxpr, consts = _compat.closed(closed_jaxpr)
-    in_ids = [b.new_value(v.aval, ARG) for v in jaxpr.invars]
+    in_ids = [
+        b.new_value(v.aval, ARG, sharding.spec_of(sharding.leaf_sharding(x), len(v.aval.shape)))
+        for v, x in zip(jaxpr.invars, flat_args, strict=True)
+    ]
     outs = b.add_jaxpr(jaxpr, consts, in_ids, "")
     _anchor_residuals(b)
     consumers: list[list[int]] = [[] for _ in b.values]
@@ -257,6 +307,7 @@ def build_graph(fn: Callable[..., Any], args: Sequence[Any], nums: tuple[int, ..
         out_tree=out_tree,
         fingerprint=_fingerprint(b, [v.aval for v in jaxpr.invars]),
         consumers=consumers,
+        mesh_axes=dict(b.axes),
     )
 
 
@@ -327,13 +378,19 @@ def signature(args: Sequence[Any]) -> tuple:
     """Hashable shape/dtype signature of a call's arguments (the key of cached plans).
 
     Weak typing counts: a Python scalar (or a value traced from one) traces to a different
-    program than a committed float32 array."""
+    program than a committed float32 array. So do shardings (`jremat.sharding.sharding_key`):
+    the same shapes sharded differently are planned apart."""
     leaves, tree = jax.tree_util.tree_flatten(args)
 
     def key(x: Any) -> tuple:
         if isinstance(x, (bool, int, float, complex)):
             return ((), type(x).__name__, True)
         weak = bool(getattr(getattr(x, "aval", x), "weak_type", False))
-        return (tuple(np.shape(x)), str(getattr(x, "dtype", type(x))), weak)
+        key = (tuple(np.shape(x)), str(getattr(x, "dtype", type(x))), weak)
+        if _compat.is_tracer(x):  # inside shard_map: the axes a value varies over
+            manual = _compat.manual_axis_type(x)
+            if manual is not None:
+                key += (tuple(sorted(manual.varying)),)
+        return key
 
-    return (tree, tuple(key(x) for x in leaves))
+    return (tree, tuple(key(x) for x in leaves), sharding.sharding_key(leaves))

@@ -1,0 +1,129 @@
+"""`jremat.sharding` on one device: spec propagation rules, per-device bytes, argument errors;
+and the 8-device suite (`test_sharding_8dev.py`) run in a subprocess with 8 host devices."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import pytest
+from jax.sharding import PartitionSpec as P
+
+import jremat
+from jremat import sharding
+
+AXES = {"data": 2, "model": 4}
+
+
+def _eqn(fn, *shapes, index=0):
+    """The `index`-th equation of `fn` traced on float32 zeros of `shapes`."""
+    jaxpr = jax.make_jaxpr(fn)(*(jnp.zeros(s) for s in shapes))
+    return jaxpr.jaxpr.eqns[index]
+
+
+def _out(eqn, *specs):
+    in_shapes = [tuple(v.aval.shape) for v in eqn.invars]
+    out_shapes = [tuple(v.aval.shape) for v in eqn.outvars]
+    return sharding.propagate(eqn, list(specs), in_shapes, out_shapes)
+
+
+def test_dot_general_keeps_batch_and_free_dims_and_sums_contracting():
+    e = _eqn(lambda x, w: x @ w, (8, 16), (16, 32))
+    # column parallel: rows over data, columns over model
+    assert _out(e, (("data",), ()), ((), ("model",))) == [(("data",), ("model",))]
+    # row parallel: the contracting dimension is sharded -> the output is summed, unsharded
+    assert _out(e, ((), ("model",)), (("model",), ())) == [((), ())]
+    b = _eqn(lambda q, k: jnp.einsum("bqd,bkd->bqk", q, k), (4, 8, 16), (4, 8, 16))
+    assert _out(b, (("data",), (), ("model",)), (("data",), (), ("model",))) == [
+        (("data",), (), ())
+    ]
+    # an axis may shard one output dimension only
+    assert _out(e, (("model",), ()), ((), ("model",))) == [(("model",), ())]
+
+
+def test_shape_ops_move_specs():
+    t = _eqn(lambda x: x.T, (8, 16))
+    assert _out(t, (("data",), ("model",))) == [(("model",), ("data",))]
+    r = _eqn(lambda x: x.reshape(8, 4, 4), (8, 16))
+    assert _out(r, (("data",), ("model",))) == [(("data",), ("model",), ())]
+    merge = _eqn(lambda x: x.reshape(32), (8, 4))
+    assert _out(merge, (("data",), ())) == [(("data",),)]
+    bc = _eqn(lambda x: jnp.broadcast_to(x, (3, 8, 16)), (8, 16))
+    assert _out(bc, (("data",), ())) == [((), ("data",), ())]
+    red = _eqn(lambda x: x.sum(1), (8, 16))
+    assert _out(red, (("data",), ("model",))) == [(("data",),)]
+    ew = _eqn(lambda x, y: x * y, (8, 16), (8, 16))
+    assert _out(ew, None, (("data",), ())) == [(("data",), ())]
+    sl = _eqn(lambda x: x[:, :3], (8, 16))
+    assert _out(sl, (("data",), ("model",))) == [(("data",), ())]
+    cum = _eqn(lambda x: jax.lax.cumsum(x, axis=1), (8, 16))  # no rule: same-shape input's
+    assert _out(cum, (("data",), ("model",))) == [(("data",), ("model",))]
+    one = jax.sharding.NamedSharding(
+        jax.make_mesh((1,), ("model",), axis_types=(jax.sharding.AxisType.Auto,)), P(None, "model")
+    )
+    con = _eqn(lambda x: jax.lax.with_sharding_constraint(x, one), (8, 16))
+    assert _out(con, (("data",), ())) == [((), ("model",))]
+
+
+def test_per_device_bytes_round_up_uneven_shards():
+    assert sharding.per_device_nbytes(8 * 16 * 4, (8, 16), (("data",), ("model",)), AXES) == (
+        4 * 4 * 4
+    )
+    # 6 rows over 4 devices: XLA pads to 2 rows each
+    assert sharding.per_device_nbytes(6 * 4, (6,), (("model",),), AXES) == 2 * 4
+    assert sharding.per_device_nbytes(100, (25,), None, AXES) == 100
+
+
+def test_unsharded_trace_is_unchanged():
+    def loss(w, x):
+        return jnp.mean(jnp.tanh(x @ w) ** 2)
+
+    g = jremat.trace(loss, jnp.ones((4, 4)), jnp.ones((8, 4)))
+    assert g.mesh_axes == {}
+    assert all(v.spec is None and v.nbytes == v.global_nbytes for v in g.values)
+
+
+def test_in_shardings_errors_name_the_argument_and_forms():
+    def loss(w, x):
+        return jnp.mean(x @ w)
+
+    args = (jnp.ones((4, 4)), jnp.ones((8, 4)))
+    with pytest.raises(ValueError, match=r"in_shardings must match the 2 positional.*got a seq"):
+        jremat.measure(loss, *args, in_shardings=(P(),))
+    with pytest.raises(TypeError, match=r"in_shardings\[1\] is str 'data'; accepted: a Named"):
+        jremat.plan(loss, *args, budget=0.5, in_shardings=(None, "data"))
+    with pytest.raises(ValueError, match="no mesh is known: pass mesh="):
+        jremat.measure(loss, *args, in_shardings=(None, P("data")))
+    with pytest.raises(ValueError, match=r"in_shardings\[0\] is not a pytree prefix"):
+        jremat.measure(loss, *args, in_shardings=([P(), P()], None))
+
+
+def test_a_mesh_too_big_for_the_devices_says_how_to_get_more():
+    n = jax.device_count()
+    with pytest.raises(ValueError, match=rf"needs {2 * n} devices; this process has {n}"):
+        sharding.make_mesh({"data": 2 * n})
+
+
+def test_multi_device_suite():
+    """Run `test_sharding_8dev.py` on 8 forced host devices (XLA_FLAGS must be set before jax
+    starts, so in a fresh interpreter) and require every test there to pass, none skipped."""
+    here = Path(__file__).resolve().parent
+    env = dict(os.environ)
+    env["XLA_FLAGS"] = (
+        env.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+    ).strip()
+    env["PYTHONPATH"] = os.pathsep.join([str(here.parent), *filter(None, [env.get("PYTHONPATH")])])
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+         str(here / "test_sharding_8dev.py")],
+        env=env, cwd=here.parent, capture_output=True, text=True, timeout=900,
+    )  # fmt: skip
+    tail = proc.stdout[-4000:] + proc.stderr[-2000:]
+    assert proc.returncode == 0, tail
+    summary = proc.stdout.strip().splitlines()[-1]
+    assert re.search(r"\b10 passed\b", summary) and "skipped" not in summary, tail
