@@ -115,26 +115,21 @@ def model_rows(name: str, budgets) -> tuple[list[str], list[float], list[str]]:
 
 
 def calibration_row(name: str, prog: Program) -> str:
-    """Leave-one-out error of the calibrated cost model on every compiled plan it describes:
-    each plan's temp is predicted from the model's bytes mapped through the other compiled
-    plans (piecewise linear, as `planning.solve` calibrates), then compared with XLA's."""
+    """Leave-one-out error of the fitted cost model (`ChainPlanner.calibrate`) on every
+    compiled plan it describes: each plan's temp is predicted by the model fitted to all the
+    other compiled plans, then compared with XLA's."""
+    import copy
+
     import numpy as np
 
-    planner = prog.planner("chain", 160)
-    pts = {(planner.no_remat_peak(), prog.baseline.temp_bytes)}
-    for p, c in prog.tried:
-        m = planner.predict(p)
-        if m is not None:
-            pts.add((m, c.temp_bytes))
-    pts = sorted(pts)
+    planner = copy.copy(prog.planner("chain", 160))
+    base = (jremat.Plan.identity(prog.graph), prog.baseline.temp_bytes)
+    samples = [base] + [(p, c.temp_bytes) for p, c in prog.tried]
+    samples = [s for s in samples if planner.segments_of(s[0]) is not None]
     errs = []
-    for i, (m, real) in enumerate(pts):
-        others = pts[:i] + pts[i + 1 :]
-        if len(others) < 2:
-            continue
-        xs = np.array([o[0] for o in others])
-        ys = np.maximum.accumulate(np.array([o[1] for o in others], dtype=float))
-        errs.append(abs(float(np.interp(m, xs, ys)) / real - 1))
+    for i, (plan, real) in enumerate(samples):
+        if planner.calibrate(samples[:i] + samples[i + 1 :]):
+            errs.append(abs(planner.predict(plan) / real - 1))
     if not errs:
         return f"| {name} | calibration | too few compiled plans | - | - |"
     within = sum(e <= 0.15 for e in errs) / len(errs)

@@ -49,6 +49,7 @@ def auto(
     plan_dir: str | os.PathLike | None = None,
     in_shardings: Any = None,
     mesh: Any = None,
+    offload: Any = None,
 ) -> Any:
     """Rematerialize a function or a Flax module automatically under a memory budget.
 
@@ -105,6 +106,9 @@ def auto(
         bytes, bytes cap one device's footprint. Inside a `shard_map` body nothing is needed:
         the body's values are per device already.
       mesh: the mesh `PartitionSpec`s in `in_shardings` refer to (default: `jax.set_mesh`'s).
+      offload: host offload as in `jremat.plan`: None (default) never offloads; True or a
+        `jremat.OffloadCost(host_bandwidth=bytes/s, device_flops=FLOP/s)` lets segments move
+        residuals to pinned host memory where the transfer is cheaper than recomputing.
 
     Returns:
       For a function, the wrapped function: `wrapper.plans` maps signatures to their `Plan`
@@ -115,6 +119,7 @@ def auto(
       TypeError: the target is neither a function nor a Flax Module class (a Module instance,
         another class, a non-callable); for a linen instance the error is also Flax's
         `TransformTargetError`, as with `nn.remat`.
+      TypeError: `offload` is not None, a bool or a `jremat.OffloadCost`.
       ValueError: an invalid budget or solver; static_argnums out of range, naming `self`, or
         naming a parameter that received an unhashable value (the message names the argument
         and how `self` is counted).
@@ -135,6 +140,7 @@ def auto(
         plan_dir=plan_dir,
         in_shardings=in_shardings,
         mesh=mesh,
+        offload=offload,
     )
     parse_budget(budget)
     if solver is not None and solver not in SOLVERS:
@@ -143,7 +149,12 @@ def auto(
         return functools.partial(auto, **options)
     kind = _target_kind(fn)
     options["cache"] = PlanCache(
-        budget, solver=solver, verify=verify, max_rounds=max_rounds, plan_dir=plan_dir
+        budget,
+        solver=solver,
+        verify=verify,
+        max_rounds=max_rounds,
+        plan_dir=plan_dir,
+        offload=offload,
     )
     if kind == "linen_class":
         from .flax_linen import auto_linen_class

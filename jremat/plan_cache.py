@@ -104,6 +104,7 @@ class PlanCache:
       max_rounds: verification compiles per signature.
       plan_dir: a folder; when set, each plan is saved there as `jremat-<key>.json`
         (`Plan.save`) and a later run with the same key loads it instead of solving.
+      offload: host offload, as `jremat.plan`'s `offload` (None: never offload).
 
     Attributes:
       plans: key -> `Plan`, in the order first seen.
@@ -112,6 +113,7 @@ class PlanCache:
 
     Raises:
       ValueError: an invalid budget or solver.
+      TypeError: `offload` is not None, a bool or a `jremat.OffloadCost`.
     """
 
     def __init__(
@@ -122,8 +124,12 @@ class PlanCache:
         verify: bool = True,
         max_rounds: int = 4,
         plan_dir: str | os.PathLike | None = None,
+        offload: Any = None,
     ):
+        from .offload import parse_offload
+
         parse_budget(budget)
+        self.offload = parse_offload(offload)
         if solver is not None and solver not in SOLVERS:
             raise ValueError(f"solver={solver!r} is not known; accepted: {', '.join(SOLVERS)}")
         if not isinstance(max_rounds, int) or max_rounds < 1:
@@ -159,6 +165,7 @@ class PlanCache:
                 "budget": repr(self.budget),
                 "solver": self.solver,
                 "verify": bool(self.verify),
+                **({"offload": repr(self.offload)} if self.offload is not None else {}),
                 **({"sharding": repr(shard_key)} if shard_key else {}),
             },
             sort_keys=True,
@@ -200,7 +207,9 @@ class PlanCache:
             p = self._load(key, graph)
             if p is None:
                 spec = parse_budget(self.budget)  # "auto": free memory now
-                opts = {} if self.solver is None else {"solver": self.solver}
+                opts: dict[str, Any] = {} if self.solver is None else {"solver": self.solver}
+                if self.offload is not None:
+                    opts["offload"] = self.offload
                 if ct_mask is None:
                     p = plan(
                         fn,

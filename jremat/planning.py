@@ -351,7 +351,15 @@ def solve(
             smallest_reachable_bytes=min_c.temp_bytes,
         )
     min_c = anchors[0][1]
-    # calibrate: map compiled bytes to model bytes through every compiled anchor
+    # fit the cost model's per-option scales to every program compiled so far
+    samples = [(p, c.temp_bytes) for p, c in [*anchors, *prog.tried]]
+    log: list[str] = []
+    if planner.calibrate([*samples, (Plan.identity(prog.graph), base.temp_bytes)]):
+        model_none = planner.no_remat_peak()
+        model_min = planner.min_memory_plan().predicted_temp_bytes
+        scales = ", ".join(f"{k} {v:.2f}" for k, v in (planner.weights or {}).items())
+        log.append(f"cost model fitted to {len(samples) + 1} compiled programs: scales {scales}")
+    # then map compiled bytes to model bytes through every compiled anchor (what is left)
     points = sorted(
         {(c.temp_bytes, planner.predict(p)) for p, c in anchors if planner.predict(p) is not None}
         | {(base.temp_bytes, model_none)}
@@ -367,7 +375,6 @@ def solve(
     best: tuple[float, Plan, Compiled] = min(fitting, key=lambda t: t[0])
     lo, hi = model_min, math.inf  # model budgets known feasible / infeasible when compiled
     seen: set[str] = {_key(p) for p, _ in anchors}
-    log: list[str] = []
     for round_ in range(max_rounds):
         candidate = planner.plan(model_budget)
         if candidate is not None and _key(candidate) not in seen:
@@ -406,7 +413,7 @@ def solve(
     _, chosen, c = best
     chosen = prog.record(chosen, c)
     chosen.notes.extend(log)
-    model = None if chosen.solver.startswith("mix:") else planner.predict(chosen)
+    model = planner.predict(chosen)  # None for loop pieces: a mix keeps its interpolation
     if model is not None:
         # the cost model's bytes mapped back to compiled bytes through the anchors
         chosen.predicted_temp_bytes = int(np.interp(model, ys, xs))

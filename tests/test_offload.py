@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 
 import jax
+import jax.numpy as jnp
 import models as M  # noqa: E402  (tests/ is on sys.path via conftest)
 import numpy as np
 import pytest
@@ -230,3 +231,25 @@ def test_unverified_offload_plan_says_cpu_cannot_confirm(prog):
     assert plan.offloaded_bytes > 0 and plan.measured_temp_bytes is None
     on_cpu_note = any("no memory effect" in n for n in plan.notes)
     assert on_cpu_note == (not host_offload_effective())
+
+
+def test_auto_takes_offload_and_keys_plans_by_it():
+    k1, k2 = jax.random.split(jax.random.PRNGKey(1))
+    ws = [jax.random.normal(k, (64, 64)) / 8 for k in jax.random.split(k1, 6)]
+    x = jax.random.normal(k2, (256, 64))
+
+    def loss(ws, x):
+        for i, w in enumerate(ws):
+            with jax.named_scope(f"layer_{i}"):
+                x = x + jnp.tanh(x @ w)
+        return jnp.mean(x**2)
+
+    fast = jremat.OffloadCost(host_bandwidth=1e15, device_flops=1e9)
+    wrapped = jremat.auto(loss, budget=0.5, offload=fast, solver="chain")
+    got = jax.grad(wrapped)(ws, x)
+    want = jax.grad(loss)(ws, x)
+    for g, w in zip(got, want, strict=True):
+        np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-7)
+    assert wrapped.plan_cache.offload == fast
+    with pytest.raises(TypeError, match="offload"):
+        jremat.auto(loss, budget=0.5, offload="yes")

@@ -17,6 +17,7 @@ recomputes more than they do at the same predicted memory.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import numpy as np
@@ -108,7 +109,7 @@ def within_budget(
 
 
 #: Budget inflations tried after the DP (largest first) to undo its per-segment rounding.
-INFLATIONS = (0.04, 0.02, 0.01)
+INFLATIONS = (0.08, 0.04, 0.02, 0.01)
 
 
 def _exact_peak(t: SegmentTable, segs) -> float:
@@ -202,7 +203,9 @@ class ChainPlanner:
         self.offload = offload
         if offload is not None:
             options = (*options, *[o for o in OFFLOAD_OPTIONS if o not in options])
-        self.table = segment_table(graph, candidate_cuts(graph, max_cuts), options, offload)
+        self.raw_table = segment_table(graph, candidate_cuts(graph, max_cuts), options, offload)
+        self.table = self.raw_table  # scaled by `calibrate`
+        self.weights: dict[str, float] | None = None
         self._min = None
 
     def min_memory_plan(self) -> Plan:
@@ -217,20 +220,20 @@ class ChainPlanner:
         m = len(self.table.cuts)
         return float(self.table.stored[0, 0, m - 1] + self.table.transient[0, 0, m - 1])
 
-    def predict(self, plan: Plan) -> float | None:
-        """Modelled peak of any plan whose cuts are candidates and whose policies map to an
-        option (`keep`, saved names, or a built-in the options mirror); None otherwise (also
-        for plans that rematerialize scans, which the segment model does not describe)."""
+    def segments_of(self, plan: Plan) -> list[tuple[int, int, int]] | None:
+        """`plan` as `[(cut a, cut b, option index)]` in this planner's table: None when a
+        cut is not a candidate, a segment's policy or saved names match no option, or the plan
+        rematerializes scans (loop pieces are not in the segment model)."""
         if plan.scans:
-            return None  # loop rematerialization is not in the segment model
-        t = self.table
+            return None
+        t = self.raw_table
         index = {c: i for i, c in enumerate(t.cuts)}
         builtin = {
             "nothing_saveable": "nothing",
             "dots_saveable": "dots",
             "dots_with_no_batch_dims_saveable": "dots_no_batch",
         }
-        running, peak = 0.0, 0.0
+        out = []
         for seg in plan.segments:
             a, b = index.get(seg.start), index.get(seg.end)
             if a is None or b is None:
@@ -241,18 +244,94 @@ class ChainPlanner:
                 option = "offload_dots"
             elif seg.policy == SAVE_NAMES and not seg.saved:
                 option = "nothing"
+            elif seg.policy == SAVE_NAMES:
+                option = next(
+                    (
+                        o
+                        for o in t.options
+                        if o in SAVE_OPTIONS
+                        and saved_values(self.graph, seg.start, seg.end, o) == list(seg.saved)
+                    ),
+                    None,
+                )
             else:
                 option = builtin.get(seg.policy)
             if option not in t.options:
                 return None
-            k = t.option_index(option)
+            out.append((a, b, t.option_index(option)))
+        return out
+
+    def predict(self, plan: Plan) -> float | None:
+        """Modelled peak (calibrated bytes, see `calibrate`) of any plan `segments_of`
+        describes; None otherwise."""
+        segs = self.segments_of(plan)
+        if segs is None:
+            return None
+        t = self.table
+        running, peak = 0.0, 0.0
+        for a, b, k in segs:
             running += t.stored[k, a, b]
             peak = max(peak, running + t.transient[k, a, b])
         return peak
 
+    def calibrate(self, samples: list[tuple[Plan, float]], ridge: float = 0.3) -> bool:
+        """Fit the cost model to compiled programs: one scale per save option on the bytes
+        segments store, and one on the transient bytes of a segment's backward.
+
+        The features of a plan are, at its modelled peak segment, the stored bytes of the
+        segments up to it by option and that segment's transient bytes; compiled temp bytes
+        are fitted as their weighted sum by least squares on relative error, with a ridge
+        pulling every scale towards 1 and scales kept in [0.1, 10] (scipy `lsq_linear`).
+        The planner's table is then the raw table scaled, so later plans are made (and
+        `predict` answers) in compiled bytes. Returns False (table unchanged) with fewer than
+        three usable samples.
+
+        Args:
+          samples: (plan, compiled temp bytes) pairs; plans `segments_of` cannot describe
+            are skipped.
+        """
+        from scipy.optimize import lsq_linear
+
+        t = self.raw_table
+        K = len(t.options)
+        rows, ys = [], []
+        for plan, temp in samples:
+            segs = self.segments_of(plan)
+            if segs is None or temp <= 0:
+                continue
+            stored, peak, feat = np.zeros(K), -1.0, None
+            for a, b, k in segs:
+                stored[k] += t.stored[k, a, b]
+                here = stored.sum() + t.transient[k, a, b]
+                if here > peak:
+                    peak, feat = here, np.append(stored, t.transient[k, a, b])
+            rows.append(feat)
+            ys.append(float(temp))
+        if len(rows) < 3:
+            return False
+        A = np.array(rows) / np.array(ys)[:, None]  # relative error: each sample counts alike
+        n = K + 1
+        fit = lsq_linear(
+            np.vstack([A, ridge * np.eye(n)]),
+            np.concatenate([np.ones(len(rows)), ridge * np.ones(n)]),
+            bounds=(0.1, 10.0),
+        )
+        w = fit.x
+        self.weights = dict(zip([*t.options, "transient"], map(float, w), strict=True))
+        self.table = dataclasses.replace(
+            t, stored=t.stored * w[:K, None, None], transient=t.transient * w[K]
+        )
+        self._min = None
+        return True
+
     def plan(self, model_budget: float) -> Plan | None:
         """Lowest-cost plan (`SegmentTable.cost`: FLOPs, with offload transfers) whose modelled
         peak is <= `model_budget` bytes, or None."""
+        found = self.solve_segments(model_budget)
+        return None if found is None else to_plan(self.graph, self.table, found[1], self.name)
+
+    def solve_segments(self, model_budget: float):
+        """(cost, `[(a, b, option)]`) of the DP's plan for `model_budget`, or None."""
         found = within_budget(self.table, model_budget)
         if found is None:
             return None
@@ -267,4 +346,4 @@ class ChainPlanner:
             if _exact_peak(self.table, again[1]) <= model_budget:
                 best_cost, best_segs = again
                 break
-        return to_plan(self.graph, self.table, best_segs, self.name)
+        return best_cost, best_segs

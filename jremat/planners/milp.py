@@ -29,7 +29,7 @@ import sys
 import numpy as np
 
 from ..plan import Plan
-from .chain import to_plan, within_budget
+from .chain import to_plan
 from .greedy import GreedyPlanner
 
 
@@ -160,7 +160,7 @@ class MILPPlanner(GreedyPlanner):
         MILP's answer is never worse than theirs; HiGHS then tries to improve it."""
         t = self.table
         index = {e: i for i, e in enumerate(edges)}
-        found = within_budget(t, model_budget)
+        found = self.solve_segments(model_budget)
         candidates = [found[1]] if found is not None else []
         greedy = self.choose(model_budget)
         if greedy is not None:
