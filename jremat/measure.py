@@ -76,17 +76,21 @@ def compile_figures(
     memory figures are those of one device.
     """
 
-    def run(f: Callable[..., Any], a: Sequence[Any]) -> tuple[Any, float]:
+    def run(f: Callable[..., Any], a: Sequence[Any], spmd: bool) -> tuple[Any, float]:
         exe = compile_step(f, a, argnums)
         flops = xla_flops(exe)
         if scan_flops:
-            flops += scan_flops_correction(f, a, argnums)
+            extra = scan_flops_correction(f, a, argnums)
+            # under sharded jit the bodies are costed on global shapes: a device's share is
+            # 1/devices of them (data and tensor parallelism split a body's work evenly);
+            # a shard_map body's scans already have per-device shapes
+            flops += extra / _num_devices(exe) if spmd else extra
         return exe, flops
 
     if not manual_axes:
-        return run(fn, args)
+        return run(fn, args, True)
     g, global_args = sharding.bind_axes(fn, manual_axes, args)
-    return sharding.outside_trace(lambda: run(g, global_args))
+    return sharding.outside_trace(lambda: run(g, global_args, False))
 
 
 def measure(
@@ -140,7 +144,7 @@ def measure(
         int(mem.output_size_in_bytes),
         int(mem.alias_size_in_bytes),
     )
-    flops = xla_flops(compiled) + scan_flops_correction(fn, avals, nums)
+    flops = xla_flops(compiled) + scan_flops_correction(fn, avals, nums) / _num_devices(compiled)
     step = None
     if runs:
         if in_shardings is not None:  # place the arrays as the step was compiled for
@@ -216,7 +220,30 @@ def _correction(jaxpr: Any, cache: dict[int, float]) -> float:
     return total
 
 
+def _num_devices(executable: Any) -> int:
+    """How many devices a compiled SPMD step runs on (1 when it cannot be read)."""
+    try:
+        leaves = jax.tree_util.tree_leaves(executable.input_shardings)
+        return max(len(leaves[0].device_set), 1) if leaves else 1
+    except Exception:  # noqa: BLE001 - an executable without shardings: one device
+        return 1
+
+
 def _body_flops(body: Any, cache: dict[int, float]) -> float:
+    key = id(body)
+    if key in cache:
+        return cache[key]
+    try:
+        return _compiled_body_flops(body, cache)
+    except Exception:  # noqa: BLE001 - e.g. a body with collectives over a shard_map's axes
+        # cannot compile on its own: count it with jremat's own FLOP table instead
+        from . import cost_model
+
+        cache[key] = cost_model.jaxpr_flops(_compat.closed(body)[0])
+        return cache[key]
+
+
+def _compiled_body_flops(body: Any, cache: dict[int, float]) -> float:
     key = id(body)
     if key not in cache:
         from jax.extend.core import jaxpr_as_fun

@@ -123,6 +123,7 @@ class Plan:
             pos = s.end
         if pos != self.num_nodes:
             raise ValueError(f"plan segments end at {pos}, the graph has {self.num_nodes} nodes")
+        _validate_scans(self.scans, self.num_nodes)
 
     def annotate(self, graph: Graph) -> Plan:
         """Record each segment's layer name and source lines from `graph`; returns self."""
@@ -218,3 +219,43 @@ class Plan:
                 more = " ..." if len(s.offloaded) > 6 else ""
                 lines.append(f"{'':>4} offloads to host: {shown}{more}")
         return "\n".join(lines)
+
+
+def _validate_scans(scans: Any, num_nodes: int) -> None:
+    """Check `Plan.scans`: keys are node indices (strings), values a policy with a nest >= 1,
+    or pieces with positive lengths; raise ValueError naming the entry otherwise."""
+    from . import policies
+
+    known = {*policies.names(), *policies.preset_names(), KEEP}
+    if not isinstance(scans, dict):
+        raise ValueError(f"Plan.scans must be a dict of node index -> config, got {scans!r}")
+    for key, cfg in scans.items():
+        where = f"Plan.scans[{key!r}]"
+        if not str(key).isdigit() or not 0 <= int(key) < num_nodes:
+            raise ValueError(f"{where}: keys are equation indices in [0, {num_nodes}) as strings")
+        if not isinstance(cfg, dict):
+            raise ValueError(f"{where} must be a dict, got {cfg!r}")
+        pieces = cfg.get("pieces")
+        if pieces is not None:
+            if set(cfg) != {"pieces"} or not isinstance(pieces, list) or not pieces:
+                raise ValueError(f"{where}: pieces must be a non-empty list and the only key")
+            for piece in pieces:
+                if set(piece) - {"length", "policy", "nest"} or "length" not in piece:
+                    raise ValueError(f"{where}: a piece has keys length, policy, nest: {piece}")
+                if not isinstance(piece["length"], int) or piece["length"] < 1:
+                    raise ValueError(f"{where}: piece lengths are ints >= 1: {piece}")
+                _check_scan_policy(where, piece, known)
+            continue
+        if set(cfg) - {"policy", "nest"}:
+            raise ValueError(f"{where}: a scan config has keys policy and nest (or pieces): {cfg}")
+        _check_scan_policy(where, cfg, known)
+
+
+def _check_scan_policy(where: str, cfg: dict, known: set) -> None:
+    if cfg.get("policy", "nothing_saveable") not in known:
+        raise ValueError(
+            f"{where}: unknown policy {cfg.get('policy')!r}; accepted: {sorted(known)}"
+        )
+    nest = cfg.get("nest", 1)
+    if not isinstance(nest, int) or isinstance(nest, bool) or nest < 1:
+        raise ValueError(f"{where}: nest must be an int >= 1, got {nest!r}")

@@ -336,20 +336,6 @@ def solve(
         return _finish(chosen, meta, solver, prog.graph)
     anchors = prog.anchors(planner)  # compiled: DP min-memory plan, per-layer and sqrt(n) remat
     fitting = [(score(p, c), p, c) for p, c in anchors if c.temp_bytes <= target]
-    min_c = min((c for _, c in anchors), key=lambda c: c.temp_bytes)
-    if not fitting:
-        smallest = spec.in_caller_unit(
-            min(min_c.temp_bytes, base.temp_bytes), base.temp_bytes, base.fixed_bytes
-        )
-        raise InfeasibleBudgetError(
-            f"budget={spec.raw!r} is below what rematerialization can reach for this program: "
-            f"the smallest reachable budget is {spec.describe(smallest)}; compiled temp "
-            f"{min_c.temp_bytes:,} bytes vs {base.temp_bytes:,} unrematerialized. Raise the "
-            "budget, or cut activations another way (smaller microbatches: jremat.microbatch).",
-            budget=spec.raw,
-            smallest_reachable=smallest,
-            smallest_reachable_bytes=min_c.temp_bytes,
-        )
     min_c = anchors[0][1]
     # fit the cost model's per-option scales to every program compiled so far
     samples = [(p, c.temp_bytes) for p, c in [*anchors, *prog.tried]]
@@ -372,10 +358,13 @@ def solve(
         if len(xs) > 1
         else (model_min + (target - min_c.temp_bytes) * max(slope, 1e-3))
     )
-    best: tuple[float, Plan, Compiled] = min(fitting, key=lambda t: t[0])
+    # no reference plan fits: the solver's own plans and mixes may still (a couple of rounds)
+    best: tuple[float, Plan | None, Compiled | None] = (
+        min(fitting, key=lambda t: t[0]) if fitting else (math.inf, None, None)
+    )
     lo, hi = model_min, math.inf  # model budgets known feasible / infeasible when compiled
     seen: set[str] = {_key(p) for p, _ in anchors}
-    for round_ in range(max_rounds):
+    for round_ in range(max_rounds if fitting else min(max_rounds, 2)):
         candidate = planner.plan(model_budget)
         if candidate is not None and _key(candidate) not in seen:
             seen.add(_key(candidate))
@@ -411,6 +400,8 @@ def solve(
         if c.temp_bytes <= target and score(p, c) < best[0]:
             best = (score(p, c), copy.deepcopy(p), c)
     _, chosen, c = best
+    if chosen is None:
+        _raise_infeasible(spec, prog, [*anchors, *prog.tried])
     chosen = prog.record(chosen, c)
     chosen.notes.extend(log)
     model = planner.predict(chosen)  # None for loop pieces: a mix keeps its interpolation
@@ -462,6 +453,22 @@ def _finish(p: Plan, meta: dict, solver: str, graph: Graph) -> Plan:
     p.budget, p.budget_temp_bytes = meta["budget"], meta["budget_temp_bytes"]
     p.notes.append(f"solver={solver!r}")
     return p
+
+
+def _raise_infeasible(spec: Budget, prog: Program, compiled: list[tuple[Plan, Compiled]]):
+    """Raise `InfeasibleBudgetError` naming the smallest compiled temp among `compiled`."""
+    base = prog.baseline
+    least = min([c.temp_bytes for _, c in compiled] + [base.temp_bytes])
+    smallest = spec.in_caller_unit(least, base.temp_bytes, base.fixed_bytes)
+    raise InfeasibleBudgetError(
+        f"budget={spec.raw!r} is below what rematerialization can reach for this program: "
+        f"the smallest reachable budget is {spec.describe(smallest)}; compiled temp "
+        f"{least:,} bytes vs {base.temp_bytes:,} unrematerialized. Raise the budget, or cut "
+        "activations another way (smaller microbatches: jremat.microbatch).",
+        budget=spec.raw,
+        smallest_reachable=smallest,
+        smallest_reachable_bytes=least,
+    )
 
 
 def _raise_model_infeasible(spec: Budget, prog: Program, model_min: float, model_none: float):

@@ -78,40 +78,40 @@ def remat_scan(
 
     from . import policies
 
-    params = dict(eqn.params)
-    body = params["jaxpr"]
+    body = eqn.params["jaxpr"]
     if not hasattr(body, "consts"):
         body = ClosedJaxpr(body, [])
     pol = policies.get(policy) if policy in policies.names() else policies.preset(policy).policy
     body_fn = jax.checkpoint(jaxpr_as_fun(body), policy=pol, prevent_cse=False)
-    avals = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in body.jaxpr.invars]
-    params["jaxpr"] = jax.make_jaxpr(body_fn)(*avals)
-    length = int(params["length"])
-    if nest <= 1 or length % nest:
-        return _compat.bind_params_call(eqn, invals, params)
     n_consts, n_carry = _compat.scan_partition(eqn)
     consts, carry, xs = (
         invals[:n_consts],
-        invals[n_consts : n_consts + n_carry],
-        invals[n_consts + n_carry :],
+        list(invals[n_consts : n_consts + n_carry]),
+        list(invals[n_consts + n_carry :]),
     )
-    inner_params = dict(params, length=nest)
+    length = int(eqn.params["length"])
+    reverse = bool(eqn.params.get("reverse"))
+
+    # jax.lax.scan traces the checkpointed body itself, in the current trace: operand types
+    # (weak types, a shard_map body's varying manual axes) stay what the loop had
+    def step(c, x):
+        outs = body_fn(*consts, *c, *x)
+        return list(outs[:n_carry]), list(outs[n_carry:])
+
+    if nest <= 1 or length % nest:
+        unroll = eqn.params.get("unroll", 1)
+        carry_out, ys = jax.lax.scan(step, carry, xs, length=length, reverse=reverse, unroll=unroll)
+        return [*carry_out, *ys]
     n_outer = length // nest
 
     @functools.partial(
         jax.checkpoint, policy=jax.checkpoint_policies.nothing_saveable, prevent_cse=False
     )
     def outer_body(c, x_chunk):
-        outs = _compat.bind_params_call(eqn, [*consts, *c, *x_chunk], inner_params)
-        return outs[:n_carry], outs[n_carry:]
+        return jax.lax.scan(step, c, x_chunk, length=nest, reverse=reverse)
 
     chunks = [x.reshape((n_outer, nest) + x.shape[1:]) for x in xs]
-    if params.get("reverse"):
-        chunks = [c[::-1] for c in chunks]
-        carry_out, ys = jax.lax.scan(outer_body, list(carry), chunks)
-        ys = [y[::-1] for y in ys]
-    else:
-        carry_out, ys = jax.lax.scan(outer_body, list(carry), chunks)
+    carry_out, ys = jax.lax.scan(outer_body, carry, chunks, length=n_outer, reverse=reverse)
     return [*carry_out, *[y.reshape((length,) + y.shape[2:]) for y in ys]]
 
 
@@ -257,11 +257,14 @@ def rematerialize(
 
     Raises:
       TypeError: `plan` is not a `jremat.Plan`.
+      ValueError: the plan's segments do not tile its equations, or its `scans` entries are
+        malformed (`Plan.validate`).
       PlanMismatchError (a ValueError), at call time: the call's program differs from the one
         the plan was made for (other shapes, dtypes or equations).
     """
     if not isinstance(plan, Plan):
         raise TypeError(f"plan must be a jremat.Plan, got {type(plan).__name__}")
+    plan.validate()
     if plan.is_identity:
         return fn
     graphs: dict[Any, Graph] = {}

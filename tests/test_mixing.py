@@ -88,3 +88,24 @@ def test_search_skips_when_interpolation_cannot_beat_what_fits():
     prog = Program(loss, args, 0)
     mixing.search(prog, 0.9 * prog.baseline.temp_bytes, best_flops=0.0)
     assert not any(p.notes and p.notes[-1].startswith("mix: ") for p, _ in prog.tried)
+
+
+@pytest.mark.parametrize(
+    "scans",
+    [
+        {"0": {"pieces": []}},
+        {"0": {"pieces": [{"policy": "nothing_saveable"}]}},
+        {"0": {"policy": "nothin_saveable", "nest": 1}},
+        {"0": {"policy": "nothing_saveable", "nest": -2}},
+        {"0": {"policy": "nothing_saveable", "foo": 1}},
+        {"99": {"policy": "nothing_saveable", "nest": 1}},
+    ],
+)
+def test_malformed_scan_configs_are_rejected_by_name(scans):
+    loss, args = _scan_program(False)
+    plan = jremat.Plan.identity(jremat.trace(loss, *args))
+    plan.scans = scans
+    with pytest.raises(ValueError, match=r"Plan.scans\['"):
+        jremat.rematerialize(loss, plan)
+    with pytest.raises(ValueError, match=r"Plan.scans\['"):
+        jremat.Plan.from_json(plan.to_json())

@@ -284,7 +284,7 @@ class ChainPlanner:
         pulling every scale towards 1 and scales kept in [0.1, 10] (scipy `lsq_linear`).
         The planner's table is then the raw table scaled, so later plans are made (and
         `predict` answers) in compiled bytes. Returns False (table unchanged) with fewer than
-        three usable samples.
+        three distinct usable samples (non-finite or non-positive temps are skipped).
 
         Args:
           samples: (plan, compiled temp bytes) pairs; plans `segments_of` cannot describe
@@ -297,7 +297,7 @@ class ChainPlanner:
         rows, ys = [], []
         for plan, temp in samples:
             segs = self.segments_of(plan)
-            if segs is None or temp <= 0:
+            if segs is None or not np.isfinite(temp) or temp <= 0:
                 continue
             stored, peak, feat = np.zeros(K), -1.0, None
             for a, b, k in segs:
@@ -307,7 +307,7 @@ class ChainPlanner:
                     peak, feat = here, np.append(stored, t.transient[k, a, b])
             rows.append(feat)
             ys.append(float(temp))
-        if len(rows) < 3:
+        if len({tuple(r) for r in rows}) < 3:  # three distinct plans at least
             return False
         A = np.array(rows) / np.array(ys)[:, None]  # relative error: each sample counts alike
         n = K + 1
