@@ -20,7 +20,7 @@ import itertools
 from collections.abc import Callable
 from typing import Any
 
-from .plan import KEEP, Plan, Segment
+from .plan import KEEP, Plan
 
 #: Per-unit choices mixed, from most memory (no remat) to least.
 UNIT_POLICIES = (
@@ -40,22 +40,7 @@ def layer_mix_plan(graph: Any, policies: list[str]) -> Plan:
     spans = layer_segments(graph)
     if len(policies) != len(spans):
         raise ValueError(f"{len(policies)} policies for {len(spans)} layers")
-    segs: list[Segment] = []
-    pos = 0
-    for (s, e), pol in zip(spans, policies, strict=True):
-        if s > pos:
-            segs.append(Segment(pos, s, KEEP))
-        segs.append(Segment(s, e, pol))
-        pos = e
-    if pos < graph.num_nodes:
-        segs.append(Segment(pos, graph.num_nodes, KEEP))
-    merged: list[Segment] = []
-    for seg in segs:  # adjacent kept segments are one unchanged stretch
-        if merged and seg.policy == KEEP and merged[-1].policy == KEEP:
-            merged[-1].end = seg.end
-        else:
-            merged.append(seg)
-    return Plan(merged, graph.fingerprint, graph.num_nodes, solver=_label(policies))
+    return Plan.from_spans(graph, spans, policies, _label(policies))
 
 
 def scan_mix_plan(graph: Any, policies: list[str]) -> Plan:

@@ -109,6 +109,31 @@ class Plan:
             **kw,
         )
 
+    @classmethod
+    def from_spans(
+        cls, graph: Graph, spans: list[tuple[int, int]], policies: list[str], solver: str
+    ) -> Plan:
+        """A plan with node range `spans[i]` under `policies[i]` (a `jremat.policies` name or
+        "keep") and the nodes between spans kept; adjacent kept stretches are merged."""
+        if len(policies) != len(spans):
+            raise ValueError(f"{len(policies)} policies for {len(spans)} spans")
+        segs: list[Segment] = []
+        pos = 0
+        for (start, end), policy in zip(spans, policies, strict=True):
+            if start > pos:
+                segs.append(Segment(pos, start, KEEP))
+            segs.append(Segment(start, end, policy))
+            pos = end
+        if pos < graph.num_nodes:
+            segs.append(Segment(pos, graph.num_nodes, KEEP))
+        merged: list[Segment] = []
+        for seg in segs:
+            if merged and seg.policy == KEEP and merged[-1].policy == KEEP:
+                merged[-1].end = seg.end
+            else:
+                merged.append(seg)
+        return cls(merged, graph.fingerprint, graph.num_nodes, solver=solver)
+
     def validate(self) -> None:
         """Check the segments tile `[0, num_nodes)`; raise ValueError otherwise."""
         pos = 0

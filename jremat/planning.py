@@ -25,7 +25,7 @@ from .budget import Budget, parse_budget
 from .errors import InfeasibleBudgetError
 from .measure import compile_figures
 from .offload import OffloadCost, host_offload_effective, parse_offload
-from .plan import KEEP, Plan, Segment
+from .plan import Plan
 from .planners import PLANNERS
 from .planners.candidates import candidate_cuts, layer_spans
 from .rewrite import rematerialize
@@ -555,14 +555,5 @@ def recipe_plan(graph: Graph, policy: str, segmentation: str = "layers") -> Plan
         spans = [(g[0][0], g[-1][1]) for g in groups]
     elif segmentation != "layers":
         raise ValueError(f"segmentation must be 'layers' or 'sqrt_n', got {segmentation!r}")
-    segs: list[Segment] = []
-    pos = 0
-    for s, e in spans:
-        if s > pos:
-            segs.append(Segment(pos, s, KEEP))
-        segs.append(Segment(s, e, policy))
-        pos = e
-    if pos < graph.num_nodes:
-        segs.append(Segment(pos, graph.num_nodes, KEEP))
     name = f"{policy}/{segmentation}"
-    return Plan(segs, graph.fingerprint, graph.num_nodes, solver=name).annotate(graph)
+    return Plan.from_spans(graph, spans, [policy] * len(spans), name).annotate(graph)
