@@ -62,13 +62,14 @@ def min_memory(t: SegmentTable) -> tuple[float, list[tuple[int, int, str]]]:
 
 
 def within_budget(
-    t: SegmentTable, budget: float
+    t: SegmentTable, budget: float, round_up: bool = True
 ) -> tuple[float, list[tuple[int, int, str]]] | None:
     """Lowest cost (recompute FLOPs, plus offload transfers as FLOP-equivalents) with modelled
     peak <= budget bytes; None when infeasible.
 
     Suffix DP over (cut, memory left) with the memory axis in GRID buckets (stores rounded up,
-    so a plan it returns is within budget in the model).
+    so a plan it returns is within budget in the model). With `round_up=False` stores are
+    rounded down instead: the DP is then optimistic and its plan must be checked exactly.
     """
     m = len(t.cuts)
     if budget <= 0:
@@ -87,7 +88,9 @@ def within_budget(
         bs = np.arange(a + 1, m)
         stored, trans, fl = (x[:, a, a + 1 :].T for x in (t.stored, t.transient, t.cost))
         finite = np.isfinite(stored)
-        shift = np.where(finite, np.ceil(np.where(finite, stored, 0) / q - 1e-9), GRID + 1)
+        stored_q = np.where(finite, stored, 0) / q
+        rnd = np.ceil(stored_q - 1e-9) if round_up else np.floor(stored_q + 1e-9)
+        shift = np.where(finite, rnd, GRID + 1)
         idx = cols[None, None, :] - shift[:, :, None].astype(np.int64)
         ok = (idx >= 0) & (levels[None, None, :] >= (stored + trans)[:, :, None])
         rest = F[bs[:, None, None], np.maximum(idx, 0)]
@@ -103,13 +106,13 @@ def within_budget(
         b, k = int(arg_b[a, level]), int(arg_mode[a, level])
         mode, stored, _, _ = list(_options(t, a, b))[k]
         segs.append((a, b, mode))
-        level -= int(math.ceil(stored / q - 1e-9))
+        level -= int(math.ceil(stored / q - 1e-9) if round_up else math.floor(stored / q + 1e-9))
         a = b
     return float(F[0, GRID]), segs
 
 
 #: Budget inflations tried after the DP (largest first) to undo its per-segment rounding.
-INFLATIONS = (0.08, 0.04, 0.02, 0.01)
+INFLATIONS = (0.04, 0.02, 0.01)
 
 
 def _exact_peak(t: SegmentTable, segs) -> float:
@@ -336,9 +339,16 @@ class ChainPlanner:
         if found is None:
             return None
         best_cost, best_segs = found
-        # The DP rounds every segment's stores up to a 1/GRID bucket, losing up to one bucket
-        # per segment. Solving at slightly inflated budgets and keeping the cheapest result
-        # whose exact peak still fits recovers most of that loss.
+        # Stores rounded down make the DP optimistic: when its plan fits exactly it is at
+        # least as good as the safe one, and it reaches plans right at the budget.
+        for deflate in (0.0, 0.01):
+            again = within_budget(self.table, model_budget * (1 - deflate), round_up=False)
+            if again is None or again[0] >= best_cost:
+                break
+            if _exact_peak(self.table, again[1]) <= model_budget:
+                return again
+        # Otherwise: the safe DP loses up to one bucket per segment; solving at slightly
+        # inflated budgets and keeping the cheapest result that still fits recovers most of it.
         for inflate in INFLATIONS:
             again = within_budget(self.table, model_budget * (1 + inflate))
             if again is None or again[0] >= best_cost:
