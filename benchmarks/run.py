@@ -2,8 +2,10 @@
 
     python benchmarks/run.py            # XLA's bytes and FLOPs, planning seconds
 
-(A GPU mode with step time, peak device memory and the largest batch under a cap is not built
-yet: no GPU was lent to the session that wrote this suite.)
+Step time, peak device memory and the largest batch under a memory cap are measured by
+`benchmarks/gpu.py` (the device benchmark). One `Program` per model is shared by the solvers,
+so a plan one solver compiled is a candidate for the others' budgets too (as it would be for
+a user re-planning the same program): cells where solvers agree often share a plan.
 
 Models: GPT-2-style decoder unrolled (Hugging Face Flax GPT-2) and scanned (`lax.scan` over
 layers), ViT, ResNet, U-Net and an MLP chain, at budgets 0.2 .. 0.9. Figures are XLA's
