@@ -40,8 +40,9 @@ def bind(eqn: Any, invals: list[Any]) -> list[Any]:
 
 
 def with_params(eqn: Any, params: dict[str, Any]) -> Any:
-    """A stand-in for `eqn` (primitive and params only) with edited raw `params`."""
-    return type("Eqn", (), {"primitive": eqn.primitive, "params": params})()
+    """A stand-in for `eqn` (primitive, operands, params) with edited raw `params`."""
+    attrs = {"primitive": eqn.primitive, "params": params, "invars": getattr(eqn, "invars", ())}
+    return type("Eqn", (), attrs)()
 
 
 def bind_params_call(eqn: Any, invals: list[Any], params: dict[str, Any]) -> list[Any]:
