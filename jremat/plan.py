@@ -111,18 +111,25 @@ class Plan:
 
     @classmethod
     def from_spans(
-        cls, graph: Graph, spans: list[tuple[int, int]], policies: list[str], solver: str
+        cls,
+        graph: Graph,
+        spans: list[tuple[int, int]],
+        policies: list[str],
+        solver: str,
+        saved: list[list[int]] | None = None,
     ) -> Plan:
-        """A plan with node range `spans[i]` under `policies[i]` (a `jremat.policies` name or
-        "keep") and the nodes between spans kept; adjacent kept stretches are merged."""
+        """A plan with node range `spans[i]` under `policies[i]` (a `jremat.policies` name,
+        "keep", or "names" saving the value ids `saved[i]`) and the nodes between spans kept;
+        adjacent kept stretches are merged."""
         if len(policies) != len(spans):
             raise ValueError(f"{len(policies)} policies for {len(spans)} spans")
+        saves = saved if saved is not None else [[] for _ in spans]
         segs: list[Segment] = []
         pos = 0
-        for (start, end), policy in zip(spans, policies, strict=True):
+        for (start, end), policy, keep in zip(spans, policies, saves, strict=True):
             if start > pos:
                 segs.append(Segment(pos, start, KEEP))
-            segs.append(Segment(start, end, policy))
+            segs.append(Segment(start, end, policy, list(keep)))
             pos = end
         if pos < graph.num_nodes:
             segs.append(Segment(pos, graph.num_nodes, KEEP))

@@ -18,7 +18,7 @@ rest are recomputed; a layer where nothing was evicted is kept unrematerialized.
 
 from __future__ import annotations
 
-from ..plan import KEEP, SAVE_NAMES, Plan, Segment
+from ..plan import KEEP, SAVE_NAMES, Plan
 from .chain import ChainPlanner
 
 
@@ -137,37 +137,18 @@ class DTRPlanner(ChainPlanner):
         if peak > model_budget * 1.001:
             return None
         spans = layer_segments(self.graph)
-        segs: list[Segment] = []
-        pos = 0
-        for s, e in spans + [(self.graph.num_nodes, self.graph.num_nodes)]:
-            if s > pos:
-                segs.append(Segment(pos, s, KEEP))
-            if e > s:
-                res = {
-                    v
-                    for node in self.graph.nodes[s:e]
-                    for v in node.residuals
-                    if s <= self.graph.values[v].producer < e
-                }
-                if res & evicted:
-                    saved = sorted(res - evicted)
-                    segs.append(Segment(s, e, SAVE_NAMES, saved))
-                else:
-                    segs.append(Segment(s, e, KEEP))
-            pos = e
-        merged: list[Segment] = []
-        for seg in segs:
-            if merged and seg.policy == KEEP and merged[-1].policy == KEEP:
-                merged[-1].end = seg.end
-            else:
-                merged.append(seg)
-        plan = Plan(
-            merged,
-            self.graph.fingerprint,
-            self.graph.num_nodes,
-            solver=self.name,
-            predicted_temp_bytes=int(peak),
-            recompute_flops=flops,
-        )
+        policies, saved = [], []
+        for s, e in spans:
+            res = {
+                v
+                for node in self.graph.nodes[s:e]
+                for v in node.residuals
+                if s <= self.graph.values[v].producer < e
+            }
+            # a layer with an evicted residual saves the rest; one without keeps everything
+            policies.append(SAVE_NAMES if res & evicted else KEEP)
+            saved.append(sorted(res - evicted) if res & evicted else [])
+        plan = Plan.from_spans(self.graph, spans, policies, self.name, saved)
+        plan.predicted_temp_bytes, plan.recompute_flops = int(peak), flops
         plan.notes.append(f"dtr: {len(evicted)} residuals evicted, simulated peak {peak:,.0f}")
         return plan
