@@ -231,28 +231,23 @@ def _num_devices(executable: Any) -> int:
 
 def _body_flops(body: Any, cache: dict[int, float]) -> float:
     key = id(body)
-    if key in cache:
-        return cache[key]
-    try:
-        return _compiled_body_flops(body, cache)
-    except Exception:  # noqa: BLE001 - e.g. a body with collectives over a shard_map's axes
-        # cannot compile on its own: count it with jremat's own FLOP table instead
-        from . import cost_model
-
-        cache[key] = cost_model.jaxpr_flops(_compat.closed(body)[0])
-        return cache[key]
-
-
-def _compiled_body_flops(body: Any, cache: dict[int, float]) -> float:
-    key = id(body)
     if key not in cache:
-        from jax.extend.core import jaxpr_as_fun
+        try:
+            cache[key] = _compiled_body_flops(body)
+        except Exception:  # noqa: BLE001 - e.g. a body with collectives over a shard_map's axes
+            # cannot compile on its own: count it with jremat's own FLOP table instead
+            from . import cost_model
 
-        jaxpr, consts = _compat.closed(body)
-        import jax.extend.core as jc
-
-        closed_body = body if consts or hasattr(body, "consts") else jc.ClosedJaxpr(jaxpr, [])
-        avals = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in jaxpr.invars]
-        compiled = jax.jit(jaxpr_as_fun(closed_body)).lower(*avals).compile()
-        cache[key] = xla_flops(compiled)
+            cache[key] = cost_model.jaxpr_flops(_compat.closed(body)[0])
     return cache[key]
+
+
+def _compiled_body_flops(body: Any) -> float:
+    """XLA's FLOPs of one scan body compiled on its own."""
+    import jax.extend.core as jc
+    from jax.extend.core import jaxpr_as_fun
+
+    jaxpr, consts = _compat.closed(body)
+    closed_body = body if consts or hasattr(body, "consts") else jc.ClosedJaxpr(jaxpr, [])
+    avals = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in jaxpr.invars]
+    return xla_flops(jax.jit(jaxpr_as_fun(closed_body)).lower(*avals).compile())
