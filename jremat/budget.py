@@ -89,7 +89,10 @@ def parse_budget(budget: Any) -> Budget:
         m = _PATTERN.match(budget)
         if not m or m.group(2).lower() not in _UNITS:
             raise _bad(budget, "could not read a size with a unit from the string")
-        value = int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+        size = float(m.group(1)) * _UNITS[m.group(2).lower()]
+        if not math.isfinite(size):
+            raise _bad(budget, "the size is too large to be a number of bytes")
+        value = int(size)
         if value < 1:
             raise _bad(
                 budget, "a size must be at least 1 byte (a fraction is a float, not a string)"

@@ -45,6 +45,7 @@ BAD_BUDGETS = [
     pytest.param(np.float32("nan"), id="np-nan"),
     pytest.param(float("inf"), id="inf"),
     pytest.param("nan", id="str-nan"),
+    pytest.param("1e400MiB", id="str-overflow"),
     pytest.param(1 + 2j, id="complex"),
 ]
 
