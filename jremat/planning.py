@@ -343,7 +343,10 @@ def solve(
     if planner.calibrate([*samples, (Plan.identity(prog.graph), base.temp_bytes)]):
         model_none = planner.no_remat_peak()
         model_min = planner.min_memory_plan().predicted_temp_bytes
-        scales = ", ".join(f"{k} {v:.2f}" for k, v in (planner.weights or {}).items())
+        scales = ", ".join(
+            f"{k} {v:,.0f}" if k.endswith("_bytes") else f"{k} {v:.2f}"
+            for k, v in (planner.weights or {}).items()
+        )
         log.append(f"cost model fitted to {len(samples) + 1} compiled programs: scales {scales}")
     # then map compiled bytes to model bytes through every compiled anchor (what is left)
     points = sorted(

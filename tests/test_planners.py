@@ -139,3 +139,62 @@ def test_dtr_evicts_more_under_a_tighter_budget(programs):
     assert len(tight[0]) > len(loose[0])
     assert tight[1] >= loose[1]  # more recompute FLOPs
     assert tight[2] <= 0.4 * peak * 1.001 or np.isclose(tight[2], 0.4 * peak, rtol=0.05)
+
+
+def _describable_plans(prog: Program, planner) -> list:
+    from jremat.planning import ANCHOR_RECIPES, recipe_plan
+
+    plans = [jremat.Plan.identity(prog.graph), planner.min_memory_plan()]
+    plans += [recipe_plan(prog.graph, policy, seg) for policy, seg in ANCHOR_RECIPES]
+    for frac in (0.3, 0.5, 0.7):
+        p = planner.plan(frac * planner.no_remat_peak())
+        if p is not None:
+            plans.append(p)
+    return [p for p in plans if planner.segments_of(p) is not None]
+
+
+def test_calibration_recovers_a_scaled_and_offset_model(programs):
+    """Temps that are an affine image of the raw model (0.6 x bytes + an offset, what XLA's
+    fusion and fixed buffers do to it) are predicted back closely after calibration."""
+    import copy
+
+    _, prog = programs("decoder")
+    planner = copy.copy(PLANNERS["chain"](prog.graph, max_cuts=48))
+    plans = _describable_plans(prog, planner)
+    raw = {id(p): planner.predict(p) for p in plans}
+    offset = 0.1 * planner.no_remat_peak()
+    samples = [(p, 0.6 * raw[id(p)] + offset) for p in plans]
+    assert len({round(t) for _, t in samples}) >= 3
+    assert planner.calibrate(samples)
+    errs = [abs(planner.predict(p) / t - 1) for p, t in samples]
+    raw_errs = [abs(raw[id(p)] / t - 1) for p, t in samples]
+    assert max(errs) < 0.06, errs
+    assert np.median(errs) < 0.5 * np.median(raw_errs)
+    assert planner.weights["offset_bytes"] > 0
+
+
+def test_calibration_predicts_compiled_temp_within_15_percent(programs):
+    """Fitted to the compiled plans of a decoder, the model predicts each plan's XLA temp
+    bytes within 15% when that plan is left out of the fit (most plans; all within 30%)."""
+    import copy
+
+    _, prog = programs("decoder")
+    planner = copy.copy(prog.planner("chain", 160))
+    samples = [(p, prog.compile(p).temp_bytes) for p in _describable_plans(prog, planner)]
+    samples[0] = (samples[0][0], prog.baseline.temp_bytes)  # identity: the baseline
+    errs = []
+    for i, (plan, real) in enumerate(samples):
+        assert planner.calibrate(samples[:i] + samples[i + 1 :])
+        errs.append(abs(planner.predict(plan) / real - 1))
+    assert np.mean(np.array(errs) <= 0.15) >= 0.75, errs
+    assert max(errs) <= 0.3, errs
+
+
+def test_calibration_needs_three_distinct_plans(programs):
+    import copy
+
+    _, prog = programs("mlp_chain")
+    planner = copy.copy(PLANNERS["chain"](prog.graph, max_cuts=24))
+    p = jremat.Plan.identity(prog.graph)
+    assert not planner.calibrate([(p, 1000.0), (p, 1000.0), (p, float("nan"))])
+    assert planner.table is planner.raw_table

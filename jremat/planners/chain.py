@@ -279,15 +279,21 @@ class ChainPlanner:
 
     def calibrate(self, samples: list[tuple[Plan, float]], ridge: float = 0.3) -> bool:
         """Fit the cost model to compiled programs: one scale per save option on the bytes
-        segments store, and one on the transient bytes of a segment's backward.
+        segments store, one on the transient bytes of a kept segment's backward, one on those
+        of a checkpointed segment's backward (recompute included), and an offset in bytes
+        (what XLA holds whatever the plan: fused temporaries, layout copies, the loss's own
+        buffers).
 
-        The features of a plan are, at its modelled peak segment, the stored bytes of the
-        segments up to it by option and that segment's transient bytes; compiled temp bytes
-        are fitted as their weighted sum by least squares on relative error, with a ridge
-        pulling every scale towards 1 and scales kept in [0.1, 10] (scipy `lsq_linear`).
-        The planner's table is then the raw table scaled, so later plans are made (and
-        `predict` answers) in compiled bytes. Returns False (table unchanged) with fewer than
-        three distinct usable samples (non-finite or non-positive temps are skipped).
+        The features of a plan are, at its peak segment, the stored bytes of the segments up
+        to it by option, that segment's transient bytes (kept or checkpointed) and a constant.
+        Compiled temp bytes are fitted as their weighted sum by least squares on relative
+        error (scipy `lsq_linear`), with a ridge pulling every scale towards 1 and the offset
+        towards 0; scales are kept in [0.1, 10] and the offset within half the samples'
+        median temp. The fit runs twice: the second time each plan's peak segment is the one
+        the first fit puts at the peak. The planner's table is then the raw table scaled and
+        offset, so later plans are made (and `predict` answers) in compiled bytes. Returns
+        False (table unchanged) with fewer than three distinct usable samples (non-finite or
+        non-positive temps are skipped).
 
         Args:
           samples: (plan, compiled temp bytes) pairs; plans `segments_of` cannot describe
@@ -297,32 +303,51 @@ class ChainPlanner:
 
         t = self.raw_table
         K = len(t.options)
-        rows, ys = [], []
+        keep = t.option_index(KEEP_OPTION)
+        plans, ys = [], []
         for plan, temp in samples:
             segs = self.segments_of(plan)
             if segs is None or not np.isfinite(temp) or temp <= 0:
                 continue
-            stored, peak, feat = np.zeros(K), -1.0, None
+            plans.append(segs)
+            ys.append(float(temp))
+        if len({tuple(s) for s in plans}) < 3:  # three distinct plans at least
+            return False
+        unit = float(np.median(ys))  # the offset's feature: bytes of a typical sample
+
+        def features(segs) -> np.ndarray:
+            """One row per segment: stores so far by option, its transient (kept /
+            checkpointed), the constant."""
+            stored, rows = np.zeros(K), []
             for a, b, k in segs:
                 stored[k] += t.stored[k, a, b]
-                here = stored.sum() + t.transient[k, a, b]
-                if here > peak:
-                    peak, feat = here, np.append(stored, t.transient[k, a, b])
-            rows.append(feat)
-            ys.append(float(temp))
-        if len({tuple(r) for r in rows}) < 3:  # three distinct plans at least
-            return False
-        A = np.array(rows) / np.array(ys)[:, None]  # relative error: each sample counts alike
-        n = K + 1
-        fit = lsq_linear(
-            np.vstack([A, ridge * np.eye(n)]),
-            np.concatenate([np.ones(len(rows)), ridge * np.ones(n)]),
-            bounds=(0.1, 10.0),
-        )
-        w = fit.x
-        self.weights = dict(zip([*t.options, "transient"], map(float, w), strict=True))
+                trans = [t.transient[k, a, b], 0.0] if k == keep else [0.0, t.transient[k, a, b]]
+                rows.append(np.concatenate([stored, trans, [unit]]))
+            return np.array(rows)
+
+        n = K + 3
+        target = np.append(np.ones(n - 1), 0.0)
+        lo, hi = np.append(np.full(n - 1, 0.1), -0.5), np.append(np.full(n - 1, 10.0), 0.5)
+        w = np.append(np.ones(n - 1), 0.0)
+        per_plan = [features(s) for s in plans]
+        for _ in range(2):  # the peak segment under the current scales, then refit
+            A = np.array([f[np.argmax(f @ w)] for f in per_plan]) / np.array(ys)[:, None]
+            fit = lsq_linear(
+                np.vstack([A, ridge * np.eye(n)]),
+                np.concatenate([np.ones(len(ys)), ridge * target]),
+                bounds=(lo, hi),
+            )
+            w = fit.x
+        offset = float(w[-1] * unit)
+        names = [*t.options, "transient_kept", "transient_checkpointed"]
+        self.weights = dict(zip(names, map(float, w[:-1]), strict=True))
+        self.weights["offset_bytes"] = offset
+        trans_scale = np.full(K, w[K + 1])
+        trans_scale[keep] = w[K]
         self.table = dataclasses.replace(
-            t, stored=t.stored * w[:K, None, None], transient=t.transient * w[K]
+            t,
+            stored=t.stored * w[:K, None, None],
+            transient=t.transient * trans_scale[:, None, None] + offset,
         )
         self._min = None
         return True
