@@ -26,7 +26,7 @@ from typing import Any
 
 from .budget import parse_budget
 from .plan_cache import PlanCache
-from .planning import SOLVERS
+from .planning import check_solver
 from .rewrite import rematerialize
 from .sharding import check_known, shard_args
 from .trace import build_graph, signature
@@ -143,8 +143,7 @@ def auto(
         offload=offload,
     )
     parse_budget(budget)
-    if solver is not None and solver not in SOLVERS:
-        raise ValueError(f"solver={solver!r} is not known; accepted: {', '.join(SOLVERS)}")
+    check_solver(solver, none_ok=True)
     if fn is None:
         return functools.partial(auto, **options)
     kind = _target_kind(fn)

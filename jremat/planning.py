@@ -49,6 +49,22 @@ ANCHOR_RECIPES = (
 )
 
 
+def check_solver(solver: Any, *, none_ok: bool = False) -> None:
+    """Check a `solver=` keyword: one of `SOLVERS`, or with `none_ok` also None (the default
+    of `jremat.plan`, as `jremat.auto` and `PlanCache` take it).
+
+    Raises:
+      ValueError: anything else; the message names `solver` and lists the accepted solvers.
+    """
+    if (none_ok and solver is None) or (isinstance(solver, str) and solver in SOLVERS):
+        return
+    accepted = ", ".join(repr(s) for s in SOLVERS)
+    default = " or None (jremat.plan's default, 'auto')" if none_ok else " (default 'auto')"
+    raise ValueError(
+        f"solver must be one of {accepted}{default}; got {type(solver).__name__} {solver!r}"
+    )
+
+
 def abstract_args(args: Sequence[Any]) -> tuple[Any, ...]:
     """Arguments as `jax.ShapeDtypeStruct`s (planning needs shapes and dtypes, and inside a
     `shard_map` body the axes each varies over). Shardings are attached by
@@ -279,8 +295,7 @@ def plan(
     """
     spec = parse_budget(budget)
     offload_cost = parse_offload(offload)
-    if solver not in SOLVERS:
-        raise ValueError(f"solver={solver!r} is not known; accepted: {', '.join(SOLVERS)}")
+    check_solver(solver)
     if not isinstance(max_rounds, int) or max_rounds < 1:
         raise ValueError(f"max_rounds must be an int >= 1, got {max_rounds!r}")
     prog = Program(fn, args, argnums, in_shardings=in_shardings, mesh=mesh)
