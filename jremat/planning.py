@@ -279,7 +279,10 @@ def plan(
         of them (None: as the argument carries) per positional argument. Default: what the
         arguments carry. Needed inside `jax.jit` in Auto sharding mode, whose tracers do not
         reveal their shardings.
-      mesh: the mesh `PartitionSpec`s refer to (default: the one set by `jax.set_mesh`).
+      mesh: the mesh `PartitionSpec`s in `in_shardings` refer to: a `jax.sharding.Mesh` (or
+        `AbstractMesh`), or None (default: the one set by `jax.set_mesh`). It shards nothing
+        by itself; given while no `PartitionSpec` refers to it and no argument is sharded, the
+        program is planned unsharded and a `RuntimeWarning` says so.
 
     Returns:
       A `Plan`; `Plan.identity` when the budget is at or above the unrematerialized program.
@@ -289,7 +292,8 @@ def plan(
       InfeasibleBudgetError: no plan reaches the budget; states the smallest reachable budget
         in the caller's unit.
       TypeError: `fn` does not return a scalar float, or `argnums` selects no float input;
-        an `in_shardings` entry of another type; `offload` is not one of the accepted forms.
+        an `in_shardings` entry or `mesh` of another type; `offload` is not one of the
+        accepted forms.
       ValueError (sharding): `in_shardings` does not match the arguments, a `PartitionSpec`
         without a mesh, or a mesh needing more devices than exist (see `jremat.sharding`).
     """
