@@ -28,7 +28,7 @@ from .budget import parse_budget
 from .plan_cache import PlanCache
 from .planning import check_solver
 from .rewrite import rematerialize
-from .sharding import check_known, check_mesh, shard_args
+from .sharding import check_in_shardings, check_known, check_mesh, shard_args
 from .trace import build_graph, signature
 
 
@@ -123,7 +123,8 @@ def auto(
         another class, a non-callable); for a linen instance the error is also Flax's
         `TransformTargetError`, as with `nn.remat`.
       TypeError: `offload` is not None, a bool or a `jremat.OffloadCost`; `mesh` is not a
-        Mesh or None.
+        Mesh or None; `in_shardings` is not one of its accepted forms (checked here, before
+        any call; whether it matches the arguments is checked at the first call).
       ValueError: an invalid budget or solver; static_argnums out of range, naming `self`, or
         naming a parameter that received an unhashable value (the message names the argument
         and how `self` is counted).
@@ -149,6 +150,7 @@ def auto(
     parse_budget(budget)
     check_solver(solver, none_ok=True)
     check_mesh(mesh)
+    check_in_shardings(in_shardings)
     if fn is None:
         return functools.partial(auto, **options)
     kind = _target_kind(fn)

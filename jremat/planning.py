@@ -292,8 +292,8 @@ def plan(
       InfeasibleBudgetError: no plan reaches the budget; states the smallest reachable budget
         in the caller's unit.
       TypeError: `fn` does not return a scalar float, or `argnums` selects no float input;
-        an `in_shardings` entry or `mesh` of another type; `offload` is not one of the
-        accepted forms.
+        `in_shardings` (or an entry's leaf) or `mesh` of another type; `offload` is not one of
+        the accepted forms.
       ValueError (sharding): `in_shardings` does not match the arguments, a `PartitionSpec`
         without a mesh, or a mesh needing more devices than exist (see `jremat.sharding`).
     """

@@ -66,6 +66,33 @@ def check_mesh(mesh: Any) -> None:
     )
 
 
+def check_in_shardings(in_shardings: Any) -> None:
+    """Check the form of `in_shardings=` without the arguments: None, a `NamedSharding`, a
+    `PartitionSpec`, or a tuple/list of pytrees whose leaves are these or None. Whether it
+    matches the arguments is checked by `shard_args`.
+
+    Raises:
+      TypeError: `in_shardings`, or a leaf of one of its entries, is of another type.
+    """
+    if in_shardings is None or isinstance(in_shardings, (NamedSharding, PartitionSpec)):
+        return
+    if not isinstance(in_shardings, (tuple, list)):
+        raise TypeError(
+            f"in_shardings is {type(in_shardings).__name__} {in_shardings!r}; accepted: "
+            f"{IN_SHARDINGS_FORMS}."
+        )
+    for i, entry in enumerate(in_shardings):
+        leaves = jax.tree_util.tree_flatten_with_path(
+            entry, is_leaf=lambda s: isinstance(s, (NamedSharding, PartitionSpec))
+        )[0]
+        for path, leaf in leaves:
+            if not isinstance(leaf, (NamedSharding, PartitionSpec)):
+                raise TypeError(
+                    f"in_shardings[{i}]{jax.tree_util.keystr(path)} is "
+                    f"{type(leaf).__name__} {leaf!r}; accepted: {IN_SHARDINGS_FORMS}."
+                )
+
+
 # -- specs -------------------------------------------------------------------------------------
 def _axes(entry: Any) -> tuple[str, ...]:
     if entry is None or entry is PartitionSpec.UNCONSTRAINED:
@@ -332,8 +359,8 @@ def shard_args(args: Sequence[Any], in_shardings: Any = None, mesh: Any = None) 
       A tuple of pytrees of ShapeDtypeStructs (shape, dtype, weak type, sharding or None).
 
     Raises:
-      TypeError: `mesh` is not a Mesh/AbstractMesh/None (`check_mesh`); an `in_shardings`
-        entry is neither a NamedSharding, a PartitionSpec nor None.
+      TypeError: `mesh` is not a Mesh/AbstractMesh/None (`check_mesh`); `in_shardings`, or a
+        leaf of an entry, is neither a NamedSharding, a PartitionSpec nor None.
       ValueError: `in_shardings` does not match the arguments' structure, a PartitionSpec has
         no mesh, a spec has more entries than its argument has dimensions, or the mesh needs
         more devices than exist.
@@ -341,6 +368,7 @@ def shard_args(args: Sequence[Any], in_shardings: Any = None, mesh: Any = None) 
     from .planning import abstract_args
 
     check_mesh(mesh)
+    check_in_shardings(in_shardings)
     avals = abstract_args(args)
     given: list[Any]
     if in_shardings is None:

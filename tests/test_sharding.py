@@ -162,6 +162,21 @@ def test_mesh_without_in_shardings_warns_that_it_has_no_effect():
     assert not _mesh_warnings(record) and m.num_devices == 1
 
 
+def test_auto_checks_in_shardings_form_when_decorating():
+    forms = "accepted: a NamedSharding, a PartitionSpec"
+    with pytest.raises(TypeError, match=rf"^in_shardings is int 42; {forms}"):
+        jremat.auto(_never_traced, budget=0.5, in_shardings=42)
+    with pytest.raises(TypeError, match=rf"^in_shardings is str 'data'; {forms}"):
+        jremat.auto(budget=0.5, in_shardings="data")
+    with pytest.raises(TypeError, match=rf"^in_shardings\[1\]\['w'\] is int 3; {forms}"):
+        jremat.auto(_never_traced, budget=0.5, in_shardings=(None, {"w": 3}))
+    # plan and measure raise the same TypeError (before, a ValueError about the arity)
+    with pytest.raises(TypeError, match=rf"^in_shardings is int 42; {forms}"):
+        jremat.measure(_never_traced, jnp.ones((4, 4)), jnp.ones((8, 4)), in_shardings=42)
+    # accepted forms pass decoration; matching the arguments is for the first call
+    jremat.auto(_never_traced, budget=0.5, in_shardings=(None, {"w": P(), "b": None}))
+
+
 def test_a_mesh_too_big_for_the_devices_says_how_to_get_more():
     n = jax.device_count()
     with pytest.raises(ValueError, match=rf"needs {2 * n} devices; this process has {n}"):
