@@ -26,9 +26,9 @@ from typing import Any
 
 from .budget import parse_budget
 from .plan_cache import PlanCache
-from .planning import SOLVERS
+from .planning import check_solver
 from .rewrite import rematerialize
-from .sharding import check_known, shard_args
+from .sharding import check_in_shardings, check_known, check_mesh, shard_args
 from .trace import build_graph, signature
 
 
@@ -105,7 +105,10 @@ def auto(
         Budgets are then per device: a fraction is of the unrematerialized per-device temp
         bytes, bytes cap one device's footprint. Inside a `shard_map` body nothing is needed:
         the body's values are per device already.
-      mesh: the mesh `PartitionSpec`s in `in_shardings` refer to (default: `jax.set_mesh`'s).
+      mesh: the mesh `PartitionSpec`s in `in_shardings` refer to: a `jax.sharding.Mesh` (or
+        `AbstractMesh`), or None (default: `jax.set_mesh`'s). As in `jremat.plan`, it shards
+        nothing by itself (a `RuntimeWarning` at the first call says so when nothing refers
+        to it).
       offload: host offload as in `jremat.plan`: None (default) never offloads; True or a
         `jremat.OffloadCost(host_bandwidth=bytes/s, device_flops=FLOP/s)` lets segments move
         residuals to pinned host memory where the transfer is cheaper than recomputing.
@@ -119,7 +122,9 @@ def auto(
       TypeError: the target is neither a function nor a Flax Module class (a Module instance,
         another class, a non-callable); for a linen instance the error is also Flax's
         `TransformTargetError`, as with `nn.remat`.
-      TypeError: `offload` is not None, a bool or a `jremat.OffloadCost`.
+      TypeError: `offload` is not None, a bool or a `jremat.OffloadCost`; `mesh` is not a
+        Mesh or None; `in_shardings` is not one of its accepted forms (checked here, before
+        any call; whether it matches the arguments is checked at the first call).
       ValueError: an invalid budget or solver; static_argnums out of range, naming `self`, or
         naming a parameter that received an unhashable value (the message names the argument
         and how `self` is counted).
@@ -143,8 +148,9 @@ def auto(
         offload=offload,
     )
     parse_budget(budget)
-    if solver is not None and solver not in SOLVERS:
-        raise ValueError(f"solver={solver!r} is not known; accepted: {', '.join(SOLVERS)}")
+    check_solver(solver, none_ok=True)
+    check_mesh(mesh)
+    check_in_shardings(in_shardings)
     if fn is None:
         return functools.partial(auto, **options)
     kind = _target_kind(fn)

@@ -115,14 +115,17 @@ def measure(
         the median wall seconds in `step_seconds`.
       in_shardings: the arguments' shardings, as in `jax.jit` and `jremat.plan`; default: what
         the arguments carry.
-      mesh: the mesh `PartitionSpec`s in `in_shardings` refer to (default: `jax.set_mesh`'s).
+      mesh: the mesh `PartitionSpec`s in `in_shardings` refer to (default: `jax.set_mesh`'s),
+        as in `jremat.plan`: a `jax.sharding.Mesh` (or `AbstractMesh`) or None. It shards
+        nothing by itself; given while no `PartitionSpec` refers to it and no argument is
+        sharded, the step is measured unsharded and a `RuntimeWarning` says so.
 
     Returns:
       A `Measurement`. Figures other than seconds are deterministic for a given program.
 
     Raises:
       TypeError: `fn` does not return a scalar float, or an argument at `argnums` has no
-        floating-point leaves.
+        floating-point leaves; `mesh` or `in_shardings` of a type not accepted.
       ValueError: `argnums` out of range or `runs` negative; `in_shardings` not matching the
         arguments, or naming a mesh larger than the devices (see `jremat.sharding.shard_args`).
     """

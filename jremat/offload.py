@@ -47,9 +47,11 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import numbers
 from typing import Any
 
 import jax
+import numpy as np
 
 #: `offload_dst` of jremat's offload policies.
 HOST_MEMORY = "pinned_host"
@@ -68,8 +70,12 @@ class OffloadCost:
       device_flops: the device's sustained compute rate, FLOP/second, that converts transfer
         seconds into recompute FLOPs (default 1e14).
 
+    Both take any real number: a Python int or float, a NumPy scalar (`np.float32(1e10)`) or
+    a 0-d NumPy/JAX array, stored as a Python float (Python ints and floats as given).
+
     Raises:
-      ValueError: a figure that is not a finite number > 0.
+      ValueError: a figure that is not a finite real number > 0 (a string, a bool, a complex
+        number, an array with more than one element, NaN, infinity, zero or less).
     """
 
     host_bandwidth: float = 25e9
@@ -78,13 +84,15 @@ class OffloadCost:
     def __post_init__(self) -> None:
         for name in ("host_bandwidth", "device_flops"):
             value = getattr(self, name)
-            ok = isinstance(value, (int, float)) and not isinstance(value, bool)
-            if not ok or not math.isfinite(value) or value <= 0:
+            number = _real(value)
+            if number is None or not math.isfinite(number) or number <= 0:
                 raise ValueError(
                     f"OffloadCost.{name} must be a finite number > 0 "
-                    f"({'bytes/second' if name == 'host_bandwidth' else 'FLOP/second'}), "
-                    f"got {value!r}"
+                    f"({'bytes/second' if name == 'host_bandwidth' else 'FLOP/second'}; a "
+                    f"Python or NumPy int or float), got {type(value).__name__} {value!r}"
                 )
+            if type(value) not in (int, float):  # keep repr, JSON and plan-cache keys plain
+                object.__setattr__(self, name, number)
 
     @property
     def flops_per_byte(self) -> float:
@@ -98,6 +106,25 @@ class OffloadCost:
     def transfer_flops(self, nbytes: float) -> float:
         """`transfer_seconds(nbytes)` as FLOP-equivalents of the device."""
         return nbytes * self.flops_per_byte
+
+
+def _real(value: Any) -> float | None:
+    """`value` as a float when it is a real number (Python/NumPy int or float, or a 0-d
+    NumPy/JAX array of one; not a bool), else None."""
+    if isinstance(value, (bool, np.bool_)):
+        return None
+    if isinstance(value, numbers.Real):
+        try:
+            return float(value)
+        except OverflowError:  # an int too large for a float
+            return math.inf
+    dtype = getattr(value, "dtype", None)
+    if getattr(value, "shape", None) == () and dtype is not None and np.dtype(dtype).kind in "iuf":
+        try:
+            return float(value)
+        except TypeError:  # a tracer
+            return None
+    return None
 
 
 def parse_offload(offload: Any) -> OffloadCost | None:

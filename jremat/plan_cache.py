@@ -60,7 +60,7 @@ from . import _compat
 from .budget import Budget, parse_budget
 from .measure import compile_step, scan_flops_correction, xla_flops
 from .plan import KEEP, SAVE_NAMES, Plan, Segment
-from .planning import SOLVERS, Compiled, Program, abstract_args, plan, solve
+from .planning import Compiled, Program, abstract_args, check_solver, plan, solve
 from .rewrite import run_graph
 from .sharding import sharding_key
 from .trace import Graph, build_graph, is_literal
@@ -130,8 +130,7 @@ class PlanCache:
 
         parse_budget(budget)
         self.offload = parse_offload(offload)
-        if solver is not None and solver not in SOLVERS:
-            raise ValueError(f"solver={solver!r} is not known; accepted: {', '.join(SOLVERS)}")
+        check_solver(solver, none_ok=True)
         if not isinstance(max_rounds, int) or max_rounds < 1:
             raise ValueError(f"max_rounds must be an int >= 1, got {max_rounds!r}")
         self.budget = budget

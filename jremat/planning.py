@@ -49,6 +49,22 @@ ANCHOR_RECIPES = (
 )
 
 
+def check_solver(solver: Any, *, none_ok: bool = False) -> None:
+    """Check a `solver=` keyword: one of `SOLVERS`, or with `none_ok` also None (the default
+    of `jremat.plan`, as `jremat.auto` and `PlanCache` take it).
+
+    Raises:
+      ValueError: anything else; the message names `solver` and lists the accepted solvers.
+    """
+    if (none_ok and solver is None) or (isinstance(solver, str) and solver in SOLVERS):
+        return
+    accepted = ", ".join(repr(s) for s in SOLVERS)
+    default = " or None (jremat.plan's default, 'auto')" if none_ok else " (default 'auto')"
+    raise ValueError(
+        f"solver must be one of {accepted}{default}; got {type(solver).__name__} {solver!r}"
+    )
+
+
 def abstract_args(args: Sequence[Any]) -> tuple[Any, ...]:
     """Arguments as `jax.ShapeDtypeStruct`s (planning needs shapes and dtypes, and inside a
     `shard_map` body the axes each varies over). Shardings are attached by
@@ -263,7 +279,10 @@ def plan(
         of them (None: as the argument carries) per positional argument. Default: what the
         arguments carry. Needed inside `jax.jit` in Auto sharding mode, whose tracers do not
         reveal their shardings.
-      mesh: the mesh `PartitionSpec`s refer to (default: the one set by `jax.set_mesh`).
+      mesh: the mesh `PartitionSpec`s in `in_shardings` refer to: a `jax.sharding.Mesh` (or
+        `AbstractMesh`), or None (default: the one set by `jax.set_mesh`). It shards nothing
+        by itself; given while no `PartitionSpec` refers to it and no argument is sharded, the
+        program is planned unsharded and a `RuntimeWarning` says so.
 
     Returns:
       A `Plan`; `Plan.identity` when the budget is at or above the unrematerialized program.
@@ -273,14 +292,14 @@ def plan(
       InfeasibleBudgetError: no plan reaches the budget; states the smallest reachable budget
         in the caller's unit.
       TypeError: `fn` does not return a scalar float, or `argnums` selects no float input;
-        an `in_shardings` entry of another type; `offload` is not one of the accepted forms.
+        `in_shardings` (or an entry's leaf) or `mesh` of another type; `offload` is not one of
+        the accepted forms.
       ValueError (sharding): `in_shardings` does not match the arguments, a `PartitionSpec`
         without a mesh, or a mesh needing more devices than exist (see `jremat.sharding`).
     """
     spec = parse_budget(budget)
     offload_cost = parse_offload(offload)
-    if solver not in SOLVERS:
-        raise ValueError(f"solver={solver!r} is not known; accepted: {', '.join(SOLVERS)}")
+    check_solver(solver)
     if not isinstance(max_rounds, int) or max_rounds < 1:
         raise ValueError(f"max_rounds must be an int >= 1, got {max_rounds!r}")
     prog = Program(fn, args, argnums, in_shardings=in_shardings, mesh=mesh)

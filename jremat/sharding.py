@@ -46,6 +46,51 @@ IN_SHARDINGS_FORMS = (
     "argument as it is), or a tuple with one such entry (or pytree prefix of them) per "
     "positional argument"
 )
+MESH_FORMS = (
+    "a jax.sharding.Mesh (e.g. jax.make_mesh(...)) or AbstractMesh, or None (the mesh set by "
+    "jax.set_mesh)"
+)
+
+
+def check_mesh(mesh: Any) -> None:
+    """Check the `mesh=` keyword (it needs no arguments, so callers check it eagerly).
+
+    Raises:
+      TypeError: `mesh` is neither None, a `jax.sharding.Mesh` nor an `AbstractMesh`.
+    """
+    if mesh is None or isinstance(mesh, (jax.sharding.Mesh, jax.sharding.AbstractMesh)):
+        return
+    raise TypeError(
+        f"mesh is {type(mesh).__name__} {mesh!r}; accepted: {MESH_FORMS}. A mesh axis name "
+        "such as 'data' belongs in a PartitionSpec: in_shardings=PartitionSpec('data')."
+    )
+
+
+def check_in_shardings(in_shardings: Any) -> None:
+    """Check the form of `in_shardings=` without the arguments: None, a `NamedSharding`, a
+    `PartitionSpec`, or a tuple/list of pytrees whose leaves are these or None. Whether it
+    matches the arguments is checked by `shard_args`.
+
+    Raises:
+      TypeError: `in_shardings`, or a leaf of one of its entries, is of another type.
+    """
+    if in_shardings is None or isinstance(in_shardings, (NamedSharding, PartitionSpec)):
+        return
+    if not isinstance(in_shardings, (tuple, list)):
+        raise TypeError(
+            f"in_shardings is {type(in_shardings).__name__} {in_shardings!r}; accepted: "
+            f"{IN_SHARDINGS_FORMS}."
+        )
+    for i, entry in enumerate(in_shardings):
+        leaves = jax.tree_util.tree_flatten_with_path(
+            entry, is_leaf=lambda s: isinstance(s, (NamedSharding, PartitionSpec))
+        )[0]
+        for path, leaf in leaves:
+            if not isinstance(leaf, (NamedSharding, PartitionSpec)):
+                raise TypeError(
+                    f"in_shardings[{i}]{jax.tree_util.keystr(path)} is "
+                    f"{type(leaf).__name__} {leaf!r}; accepted: {IN_SHARDINGS_FORMS}."
+                )
 
 
 # -- specs -------------------------------------------------------------------------------------
@@ -306,19 +351,24 @@ def shard_args(args: Sequence[Any], in_shardings: Any = None, mesh: Any = None) 
       args: the positional arguments (arrays, ShapeDtypeStructs or tracers).
       in_shardings: None (use what the arguments carry), or as `jax.jit`'s: a NamedSharding or
         PartitionSpec for every argument, or a tuple with one pytree prefix per argument.
-      mesh: the mesh PartitionSpecs refer to (default: the one set by `jax.set_mesh`).
+      mesh: the mesh PartitionSpecs refer to (default: the one set by `jax.set_mesh`). It
+        shards nothing by itself: given while no PartitionSpec refers to it and no argument is
+        sharded, it has no effect, and a RuntimeWarning says so.
 
     Returns:
       A tuple of pytrees of ShapeDtypeStructs (shape, dtype, weak type, sharding or None).
 
     Raises:
-      TypeError: an `in_shardings` entry is neither a NamedSharding, a PartitionSpec nor None.
+      TypeError: `mesh` is not a Mesh/AbstractMesh/None (`check_mesh`); `in_shardings`, or a
+        leaf of an entry, is neither a NamedSharding, a PartitionSpec nor None.
       ValueError: `in_shardings` does not match the arguments' structure, a PartitionSpec has
         no mesh, a spec has more entries than its argument has dimensions, or the mesh needs
         more devices than exist.
     """
     from .planning import abstract_args
 
+    check_mesh(mesh)
+    check_in_shardings(in_shardings)
     avals = abstract_args(args)
     given: list[Any]
     if in_shardings is None:
@@ -379,7 +429,38 @@ def shard_args(args: Sequence[Any], in_shardings: Any = None, mesh: Any = None) 
                 )
             )
         out.append(jax.tree_util.tree_unflatten(tree, new_leaves))
+    if mesh is not None and not _has_spec(in_shardings):
+        if arg_mesh(jax.tree_util.tree_leaves(out)) is None:
+            import warnings
+
+            warnings.warn(
+                f"jremat: mesh={mesh_axes(mesh)} was given, but no PartitionSpec in "
+                "in_shardings refers to it and no argument is sharded, so it has no effect: "
+                "the program is planned/measured unsharded. mesh= only names the mesh that "
+                "PartitionSpecs refer to; pass in_shardings= (as to jax.jit, e.g. "
+                "PartitionSpec('data')) or sharded arrays to run under it.",
+                RuntimeWarning,
+                stacklevel=_caller_stacklevel(),
+            )
     return tuple(out)
+
+
+def _has_spec(in_shardings: Any) -> bool:
+    """Whether `in_shardings` holds a PartitionSpec (which refers to `mesh=`)."""
+    leaves = jax.tree_util.tree_leaves(in_shardings, is_leaf=lambda s: isinstance(s, PartitionSpec))
+    return any(isinstance(s, PartitionSpec) for s in leaves)
+
+
+def _caller_stacklevel() -> int:
+    """`warnings.warn`'s stacklevel of the first frame outside jremat (the user's call)."""
+    import os
+    import sys
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    frame, level = sys._getframe(1), 1
+    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(here + os.sep):
+        frame, level = frame.f_back, level + 1
+    return level
 
 
 def check_known(args: Sequence[Any], avals: Sequence[Any]) -> None:

@@ -74,6 +74,32 @@ def test_bad_budget_is_rejected_by_plan_and_auto_before_tracing(budget):
     assert_names_accepted_forms(info.value)
 
 
+SOLVER_LIST = "'auto', 'chain', 'greedy', 'dtr', 'milp'"
+
+
+@pytest.mark.parametrize("solver", [None, "fast", "Chain", ["chain"], 3])
+def test_bad_solver_names_solver_and_the_accepted_ones_before_tracing(solver):
+    def fn(params, x):  # never traced: the solver is checked first
+        raise AssertionError("traced")
+
+    shown = f"got {type(solver).__name__} {solver!r}"
+    with pytest.raises(ValueError) as info:
+        jremat.plan(fn, jnp.ones(3), jnp.ones(3), budget=0.5, solver=solver)
+    assert str(info.value) == f"solver must be one of {SOLVER_LIST} (default 'auto'); {shown}"
+    if solver is None:  # auto's default: jremat.plan's
+        jremat.auto(fn, budget=0.5, solver=None)
+        return
+    for call in (
+        lambda: jremat.auto(fn, budget=0.5, solver=solver),
+        lambda: jremat.auto(budget=0.5, solver=solver),  # decorator-factory form
+    ):
+        with pytest.raises(ValueError) as info:
+            call()
+        assert str(info.value) == (
+            f"solver must be one of {SOLVER_LIST} or None (jremat.plan's default, 'auto'); " + shown
+        )
+
+
 @pytest.mark.parametrize(
     "text, nbytes",
     [

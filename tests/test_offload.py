@@ -225,6 +225,40 @@ def test_bad_offload_arguments():
         jremat.plan(m.loss, *m.args, budget=0.5, offload=1e9)
 
 
+def test_offload_cost_takes_numpy_and_jax_scalars_as_floats():
+    c = OffloadCost(host_bandwidth=np.float32(1e10), device_flops=np.int64(10**12))
+    assert c == OffloadCost(host_bandwidth=1e10, device_flops=1e12)
+    assert type(c.host_bandwidth) is float and type(c.device_flops) is float
+    assert repr(c) == "OffloadCost(host_bandwidth=10000000000.0, device_flops=1000000000000.0)"
+    assert OffloadCost(host_bandwidth=jnp.float32(2.0)).host_bandwidth == 2.0
+    assert OffloadCost(np.array(3.0)).host_bandwidth == 3.0
+    assert c.flops_per_byte == 200.0
+    assert repr(OffloadCost(10, 3)) == "OffloadCost(host_bandwidth=10, device_flops=3)"
+
+
+@pytest.mark.parametrize(
+    "field, value, shown",
+    [
+        ("host_bandwidth", "1e10", "str '1e10'"),
+        ("host_bandwidth", np.float32("nan"), "float32 np.float32(nan)"),
+        ("host_bandwidth", -1e9, "float -1000000000.0"),
+        ("host_bandwidth", np.bool_(True), "bool np.True_"),
+        ("device_flops", True, "bool True"),
+        ("device_flops", np.inf, "float inf"),
+        ("device_flops", 0, "int 0"),
+        ("device_flops", 1j, "complex 1j"),
+        ("device_flops", np.ones(2), "ndarray array([1., 1.])"),
+        pytest.param("device_flops", 10**400, "int 1000", id="device_flops-huge-int"),
+    ],
+)
+def test_offload_cost_rejects_bad_figures_naming_the_field(field, value, shown):
+    with pytest.raises(ValueError) as info:
+        OffloadCost(**{field: value})
+    msg = str(info.value)
+    assert msg.startswith(f"OffloadCost.{field} must be a finite number > 0"), msg
+    assert f"got {shown}" in msg, msg
+
+
 def test_unverified_offload_plan_says_cpu_cannot_confirm(prog):
     _, p = prog
     plan = solve(p, parse_budget(0.5), solver="chain", verify=False, offload=FAST)

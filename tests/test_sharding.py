@@ -7,6 +7,7 @@ import os
 import re
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import jax
@@ -101,6 +102,79 @@ def test_in_shardings_errors_name_the_argument_and_forms():
         jremat.measure(loss, *args, in_shardings=(None, P("data")))
     with pytest.raises(ValueError, match=r"in_shardings\[0\] is not a pytree prefix"):
         jremat.measure(loss, *args, in_shardings=([P(), P()], None))
+
+
+def _never_traced(w, x):
+    raise AssertionError("traced: the argument should have been rejected first")
+
+
+@pytest.mark.parametrize("mesh", ["data", ("data", 2), 8])
+def test_mesh_that_is_not_a_mesh_is_a_type_error_naming_mesh(mesh):
+    args = (jnp.ones((4, 4)), jnp.ones((8, 4)))
+    calls = {
+        "plan": lambda: jremat.plan(_never_traced, *args, budget=0.5, mesh=mesh),
+        "plan+spec": lambda: jremat.plan(
+            _never_traced, *args, budget=0.5, in_shardings=P(), mesh=mesh
+        ),
+        "measure": lambda: jremat.measure(_never_traced, *args, mesh=mesh),
+        "auto": lambda: jremat.auto(_never_traced, budget=0.5, mesh=mesh),  # no call needed
+        "auto()": lambda: jremat.auto(budget=0.5, mesh=mesh),
+    }
+    for name, call in calls.items():
+        with pytest.raises(TypeError) as info:
+            call()
+        msg = str(info.value)
+        assert msg.startswith(f"mesh is {type(mesh).__name__} {mesh!r}; accepted: "), (name, msg)
+        assert "a jax.sharding.Mesh" in msg and "or None" in msg, (name, msg)
+
+
+def _mesh_warnings(record):
+    return [w for w in record if "was given, but no PartitionSpec" in str(w.message)]
+
+
+def test_mesh_without_in_shardings_warns_that_it_has_no_effect():
+    def loss(w, x):
+        return jnp.mean(jnp.tanh(x @ w) ** 2)
+
+    args = (jnp.ones((4, 4)), jnp.ones((8, 4)))
+    mesh = sharding.make_mesh({"data": 1})  # Auto axis type, as jax.jit's default
+    plain = jremat.measure(loss, *args)
+    for call in (
+        lambda: jremat.measure(loss, *args, mesh=mesh),
+        lambda: jremat.plan(loss, *args, budget=1.0, mesh=mesh),
+        lambda: jremat.auto(loss, budget=1.0, mesh=mesh)(*args),
+    ):
+        with warnings.catch_warnings(record=True) as record:
+            warnings.simplefilter("always")
+            call()
+        (w,) = _mesh_warnings(record)
+        assert w.category is RuntimeWarning
+        assert "mesh={'data': 1} was given" in str(w.message) and "in_shardings=" in str(w.message)
+        assert w.filename == __file__  # attributed to the caller, not to jremat
+    # the mesh changes nothing: the step is measured as without it
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        assert jremat.measure(loss, *args, mesh=mesh).temp_bytes == plain.temp_bytes
+    # a PartitionSpec that refers to the mesh: no warning
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        m = jremat.measure(loss, *args, in_shardings=(None, P("data")), mesh=mesh)
+    assert not _mesh_warnings(record) and m.num_devices == 1
+
+
+def test_auto_checks_in_shardings_form_when_decorating():
+    forms = "accepted: a NamedSharding, a PartitionSpec"
+    with pytest.raises(TypeError, match=rf"^in_shardings is int 42; {forms}"):
+        jremat.auto(_never_traced, budget=0.5, in_shardings=42)
+    with pytest.raises(TypeError, match=rf"^in_shardings is str 'data'; {forms}"):
+        jremat.auto(budget=0.5, in_shardings="data")
+    with pytest.raises(TypeError, match=rf"^in_shardings\[1\]\['w'\] is int 3; {forms}"):
+        jremat.auto(_never_traced, budget=0.5, in_shardings=(None, {"w": 3}))
+    # plan and measure raise the same TypeError (before, a ValueError about the arity)
+    with pytest.raises(TypeError, match=rf"^in_shardings is int 42; {forms}"):
+        jremat.measure(_never_traced, jnp.ones((4, 4)), jnp.ones((8, 4)), in_shardings=42)
+    # accepted forms pass decoration; matching the arguments is for the first call
+    jremat.auto(_never_traced, budget=0.5, in_shardings=(None, {"w": P(), "b": None}))
 
 
 def test_a_mesh_too_big_for_the_devices_says_how_to_get_more():
