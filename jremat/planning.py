@@ -359,7 +359,8 @@ def solve(
     # fit the cost model's per-option scales to every program compiled so far
     samples = [(p, c.temp_bytes) for p, c in [*anchors, *prog.tried]]
     log: list[str] = []
-    if planner.calibrate([*samples, (Plan.identity(prog.graph), base.temp_bytes)]):
+    calibrated = planner.calibrate([*samples, (Plan.identity(prog.graph), base.temp_bytes)])
+    if calibrated:
         model_none = planner.no_remat_peak()
         model_min = planner.min_memory_plan().predicted_temp_bytes
         scales = ", ".join(
@@ -427,7 +428,11 @@ def solve(
     chosen = prog.record(chosen, c)
     chosen.notes.extend(log)
     model = planner.predict(chosen)  # None for loop pieces: a mix keeps its interpolation
-    if model is not None:
+    if model is not None and calibrated:
+        # the fitted model is in compiled bytes already
+        chosen.predicted_temp_bytes = int(model)
+        chosen.notes.append(f"cost model fitted to XLA predicts {int(model):,} temp bytes")
+    elif model is not None:
         # the cost model's bytes mapped back to compiled bytes through the anchors
         chosen.predicted_temp_bytes = int(np.interp(model, ys, xs))
         chosen.notes.append(
