@@ -387,6 +387,22 @@ def solve(
     )
     lo, hi = model_min, math.inf  # model budgets known feasible / infeasible when compiled
     seen: set[str] = {_key(p) for p, _ in anchors}
+    # No reference plan fits: the model's plans just above its minimum, at fixed model
+    # budgets. They do not depend on the target, so the smallest budget an
+    # InfeasibleBudgetError states (anchors and these) is found again when asked for.
+    floor: list[tuple[Plan, Compiled]] = []
+    for factor in () if fitting else FLOOR_LADDER:
+        candidate = planner.plan(model_min * factor)
+        if candidate is None or _key(candidate) in seen:
+            continue
+        seen.add(_key(candidate))
+        c = prog.compile(candidate)
+        floor.append((candidate, c))
+        log.append(
+            f"floor: model budget {model_min * factor:,.0f} -> compiled temp {c.temp_bytes:,}"
+        )
+        if c.temp_bytes <= target and score(candidate, c) < best[0]:
+            best = (score(candidate, c), candidate, c)
     for round_ in range(max_rounds if fitting else min(max_rounds, 2)):
         candidate = planner.plan(model_budget)
         if candidate is not None and _key(candidate) not in seen:
@@ -424,7 +440,9 @@ def solve(
             best = (score(p, c), copy.deepcopy(p), c)
     _, chosen, c = best
     if chosen is None:
-        _raise_infeasible(spec, prog, [*anchors, *prog.tried])
+        # what a new plan() call at the stated budget compiles again (not the target-driven
+        # rounds and mixes, which a larger target steers elsewhere)
+        _raise_infeasible(spec, prog, [*anchors, *floor])
     chosen = prog.record(chosen, c)
     chosen.notes.extend(log)
     model = planner.predict(chosen)  # None for loop pieces: a mix keeps its interpolation
@@ -440,6 +458,10 @@ def solve(
             f"{chosen.predicted_temp_bytes:,} bytes"
         )
     return _finish(chosen, meta, solver, prog.graph)
+
+
+#: Model budgets (multiples of the model's minimum peak) compiled when no reference plan fits.
+FLOOR_LADDER = (1.03, 1.08, 1.15)
 
 
 def _key(p: Plan | None) -> str:

@@ -106,6 +106,18 @@ def test_unreachable_budget_states_smallest_reachable(programs, solver):
     assert plan.measured_temp_bytes <= smallest * prog.baseline.temp_bytes + 1
 
 
+@pytest.mark.parametrize("budget", [0.05, "1KiB"])
+def test_stated_smallest_budget_holds_in_a_new_plan_call(budget):
+    """A new `plan` call (a new Program, nothing compiled before) at the smallest budget an
+    `InfeasibleBudgetError` states finds a plan within it, for fractions and bytes alike."""
+    m = M.decoder(depth=3)
+    with pytest.raises(jremat.InfeasibleBudgetError) as info:
+        jremat.plan(m.loss, *m.args, budget=budget, solver="chain")
+    smallest = info.value.smallest_reachable
+    plan = jremat.plan(m.loss, *m.args, budget=smallest, solver="chain")
+    assert plan.measured_temp_bytes <= info.value.smallest_reachable_bytes
+
+
 def test_auto_never_recomputes_more_than_a_fitting_builtin(programs):
     _, prog = programs("decoder")
     base = prog.baseline

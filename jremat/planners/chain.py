@@ -288,8 +288,8 @@ class ChainPlanner:
         to it by option, that segment's transient bytes (kept or checkpointed) and a constant.
         Compiled temp bytes are fitted as their weighted sum by least squares on relative
         error (scipy `lsq_linear`), with a ridge pulling every scale towards 1 and the offset
-        towards 0; scales are kept in [0.1, 10] and the offset within half the samples'
-        median temp. The fit runs twice: the second time each plan's peak segment is the one
+        towards 0; scales are kept in [0.1, 10] and the offset in [0, half the samples'
+        median temp]. The fit runs twice: the second time each plan's peak segment is the one
         the first fit puts at the peak. The planner's table is then the raw table scaled and
         offset, so later plans are made (and `predict` answers) in compiled bytes. Returns
         False (table unchanged) with fewer than three distinct usable samples (non-finite or
@@ -327,7 +327,10 @@ class ChainPlanner:
 
         n = K + 3
         target = np.append(np.ones(n - 1), 0.0)
-        lo, hi = np.append(np.full(n - 1, 0.1), -0.5), np.append(np.full(n - 1, 10.0), 0.5)
+        # the offset is >= 0: added to every transient entry it shifts every modelled peak
+        # alike, and a negative one could turn small transients negative, where the DP and
+        # `predict` would disagree about the peak
+        lo, hi = np.append(np.full(n - 1, 0.1), 0.0), np.append(np.full(n - 1, 10.0), 0.5)
         w = np.append(np.ones(n - 1), 0.0)
         per_plan = [features(s) for s in plans]
         for _ in range(2):  # the peak segment under the current scales, then refit
