@@ -47,6 +47,11 @@ BAD_BUDGETS = [
     pytest.param("nan", id="str-nan"),
     pytest.param("1e400MiB", id="str-overflow"),
     pytest.param(1 + 2j, id="complex"),
+    pytest.param(np.complex64(0.5 + 1j), id="np-complex64"),
+    pytest.param(np.array(0.5 + 0j), id="np-complex-0d"),
+    pytest.param(np.array([1, 2]), id="np-int-array"),
+    pytest.param(np.array([0.5]), id="np-one-element-array"),
+    pytest.param(jnp.array([0.5, 0.25]), id="jax-array"),
 ]
 
 
