@@ -543,6 +543,9 @@ def _block_plan(p: Plan, block: Graph, planned: Graph) -> Plan:
             break
         s.end = min(s.end, n)
         s.saved = [v for v in s.saved if v < len(block.values) and block.values[v].producer < n]
+        s.offloaded = [
+            v for v in s.offloaded if v < len(block.values) and block.values[v].producer < n
+        ]
         segments.append(s)
     p.segments = segments
     p.fingerprint, p.num_nodes = block.fingerprint, n
