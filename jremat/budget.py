@@ -76,13 +76,18 @@ def parse_budget(budget: Any) -> Budget:
     """Parse a budget in any accepted form (see the module docstring).
 
     Raises:
-      ValueError: budget <= 0, a float > 1, NaN/inf, a bool, a non-numeric value, or an
-        unparsable string; the message names the accepted forms.
+      ValueError: budget <= 0, a float > 1, NaN/inf, a bool, a complex number, an array that
+        is not 0-d, a non-numeric value, or an unparsable string; the message names the
+        accepted forms.
     """
     if isinstance(budget, Budget):
         return budget
     if isinstance(budget, (bool, np.bool_)) or budget is None:
         raise _bad(budget, "expected a number or a string")
+    if getattr(budget, "shape", ()) != ():
+        raise _bad(budget, f"expected a single number, got an array of shape {budget.shape}")
+    if _is_complex(budget):
+        raise _bad(budget, "a complex number is not a size")
     if isinstance(budget, str):
         if budget.strip().lower() == "auto":
             return Budget(budget, footprint_bytes=free_device_bytes())
@@ -113,6 +118,19 @@ def parse_budget(budget: Any) -> Budget:
             raise _bad(budget, "a float is a fraction and must be <= 1 (for bytes pass an int)")
         return Budget(f, fraction=f)
     raise _bad(budget, f"expected a number or a string, got {type(budget).__name__}")
+
+
+def _is_complex(value: Any) -> bool:
+    """Whether `value` is a Python complex or has a complex NumPy/JAX dtype."""
+    if isinstance(value, complex):
+        return True
+    dtype = getattr(value, "dtype", None)
+    if dtype is None:
+        return False
+    try:
+        return bool(np.issubdtype(dtype, np.complexfloating))
+    except TypeError:  # a `dtype` attribute that is not a dtype
+        return False
 
 
 def free_device_bytes() -> int:

@@ -24,6 +24,7 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from ._args import check_count, check_flag
 from .budget import parse_budget
 from .plan_cache import PlanCache
 from .planning import check_solver
@@ -125,9 +126,10 @@ def auto(
       TypeError: `offload` is not None, a bool or a `jremat.OffloadCost`; `mesh` is not a
         Mesh or None; `in_shardings` is not one of its accepted forms (checked here, before
         any call; whether it matches the arguments is checked at the first call).
-      ValueError: an invalid budget or solver; static_argnums out of range, naming `self`, or
-        naming a parameter that received an unhashable value (the message names the argument
-        and how `self` is counted).
+      TypeError: `verify` is not a bool, or `max_rounds` not an int (a bool included).
+      ValueError: an invalid budget or solver; `max_rounds` below 1; static_argnums out of
+        range, naming `self`, or naming a parameter that received an unhashable value (the
+        message names the argument and how `self` is counted).
       InfeasibleBudgetError: at the first call of a signature whose budget is unreachable.
     """
     options = dict(
@@ -149,6 +151,8 @@ def auto(
     )
     parse_budget(budget)
     check_solver(solver, none_ok=True)
+    check_flag("verify", verify)
+    check_count("max_rounds", max_rounds)
     check_mesh(mesh)
     check_in_shardings(in_shardings)
     if fn is None:

@@ -127,7 +127,8 @@ def measure(
       TypeError: `fn` does not return a scalar float, or an argument at `argnums` has no
         floating-point leaves; `mesh` or `in_shardings` of a type not accepted.
       ValueError: `argnums` out of range or `runs` negative; `in_shardings` not matching the
-        arguments, or naming a mesh larger than the devices (see `jremat.sharding.shard_args`).
+        arguments, naming an axis its mesh lacks, or naming a mesh larger than the devices
+        (see `jremat.sharding.shard_args`).
     """
     from .trace import _check_differentiable
 

@@ -71,7 +71,8 @@ class OffloadCost:
         seconds into recompute FLOPs (default 1e14).
 
     Both take any real number: a Python int or float, a NumPy scalar (`np.float32(1e10)`) or
-    a 0-d NumPy/JAX array, stored as a Python float (Python ints and floats as given).
+    a 0-d NumPy/JAX array of any integer or floating dtype (bfloat16 included), stored as a
+    Python float (Python ints and floats as given).
 
     Raises:
       ValueError: a figure that is not a finite real number > 0 (a string, a bool, a complex
@@ -110,7 +111,8 @@ class OffloadCost:
 
 def _real(value: Any) -> float | None:
     """`value` as a float when it is a real number (Python/NumPy int or float, or a 0-d
-    NumPy/JAX array of one; not a bool), else None."""
+    NumPy/JAX array of an integer or floating dtype, bfloat16 included; not a bool), else
+    None."""
     if isinstance(value, (bool, np.bool_)):
         return None
     if isinstance(value, numbers.Real):
@@ -119,12 +121,24 @@ def _real(value: Any) -> float | None:
         except OverflowError:  # an int too large for a float
             return math.inf
     dtype = getattr(value, "dtype", None)
-    if getattr(value, "shape", None) == () and dtype is not None and np.dtype(dtype).kind in "iuf":
+    if getattr(value, "shape", None) == () and dtype is not None and _real_dtype(dtype):
         try:
             return float(value)
         except TypeError:  # a tracer
             return None
     return None
+
+
+def _real_dtype(dtype: Any) -> bool:
+    """Whether `dtype` is an integer or real floating dtype, JAX's (bfloat16, float8_*)
+    included, whose NumPy kind is 'V'; bool and complex are not."""
+    try:
+        return bool(
+            jax.numpy.issubdtype(dtype, jax.numpy.integer)
+            or jax.numpy.issubdtype(dtype, jax.numpy.floating)
+        )
+    except TypeError:  # a `dtype` attribute that is not a dtype
+        return False
 
 
 def parse_offload(offload: Any) -> OffloadCost | None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import numbers
 import os
 from typing import Any
 
@@ -142,9 +143,12 @@ class Plan:
         return cls(merged, graph.fingerprint, graph.num_nodes, solver=solver)
 
     def validate(self) -> None:
-        """Check the segments tile `[0, num_nodes)`; raise ValueError otherwise."""
+        """Check the segments' fields have their types (start/end ints, policy a string,
+        saved/offloaded lists of int value ids) and tile `[0, num_nodes)`; raise ValueError
+        naming the segment and field otherwise."""
         pos = 0
-        for s in self.segments:
+        for i, s in enumerate(self.segments):
+            _check_segment_fields(i, s)
             if s.start != pos or s.end <= s.start:
                 raise ValueError(f"plan segments must tile [0, {self.num_nodes}); bad {s}")
             if s.offloaded and s.policy != SAVE_NAMES:
@@ -176,7 +180,14 @@ class Plan:
 
     @classmethod
     def from_json(cls, text: str) -> Plan:
-        """Rebuild a plan from `to_json` output. Raises ValueError on malformed JSON."""
+        """Rebuild a plan from `to_json` output.
+
+        Raises:
+          ValueError: malformed JSON, missing or unknown fields, a segment field of the wrong
+            type (naming the segment index and field), or segments that do not tile the
+            equations (`validate`). Whether saved/offloaded value ids exist in the program is
+            checked when the plan runs on it (`jremat.rewrite.run_graph`).
+        """
         try:
             d = json.loads(text)
             segs = [Segment(**s) for s in d.pop("segments")]
@@ -251,6 +262,29 @@ class Plan:
                 more = " ..." if len(s.offloaded) > 6 else ""
                 lines.append(f"{'':>4} offloads to host: {shown}{more}")
         return "\n".join(lines)
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
+
+
+def _check_segment_fields(i: int, s: Any) -> None:
+    """Raise ValueError naming `Plan.segments[i]` and the field when a field has the wrong type."""
+    where = f"Plan.segments[{i}]"
+    if not isinstance(s, Segment):
+        raise ValueError(f"{where} must be a jremat.plan.Segment, got {type(s).__name__} {s!r}")
+    for name in ("start", "end"):
+        value = getattr(s, name)
+        if not _is_int(value):
+            raise ValueError(f"{where}.{name} must be an int, got {type(value).__name__} {value!r}")
+    if not isinstance(s.policy, str):
+        raise ValueError(
+            f"{where}.policy must be a string, got {type(s.policy).__name__} {s.policy!r}"
+        )
+    for name in ("saved", "offloaded"):
+        value = getattr(s, name)
+        if not isinstance(value, (list, tuple)) or not all(_is_int(v) for v in value):
+            raise ValueError(f"{where}.{name} must be a list of int value ids, got {value!r}")
 
 
 def _validate_scans(scans: Any, num_nodes: int) -> None:

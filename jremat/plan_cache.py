@@ -112,8 +112,9 @@ class PlanCache:
       solves, loads: how many plans were solved, and loaded from `plan_dir`.
 
     Raises:
-      ValueError: an invalid budget or solver.
-      TypeError: `offload` is not None, a bool or a `jremat.OffloadCost`.
+      ValueError: an invalid budget or solver; `max_rounds` below 1.
+      TypeError: `offload` is not None, a bool or a `jremat.OffloadCost`; `verify` is not a
+        bool; `max_rounds` is not an int (a bool included).
     """
 
     def __init__(
@@ -126,17 +127,16 @@ class PlanCache:
         plan_dir: str | os.PathLike | None = None,
         offload: Any = None,
     ):
+        from ._args import check_count, check_flag
         from .offload import parse_offload
 
         parse_budget(budget)
         self.offload = parse_offload(offload)
         check_solver(solver, none_ok=True)
-        if not isinstance(max_rounds, int) or max_rounds < 1:
-            raise ValueError(f"max_rounds must be an int >= 1, got {max_rounds!r}")
         self.budget = budget
         self.solver = solver
-        self.verify = verify
-        self.max_rounds = max_rounds
+        self.verify = check_flag("verify", verify)
+        self.max_rounds = check_count("max_rounds", max_rounds)
         self.plan_dir = Path(plan_dir) if plan_dir is not None else None
         self.plans: dict[str, Plan] = {}
         self.signatures: dict[str, str] = {}
@@ -543,6 +543,9 @@ def _block_plan(p: Plan, block: Graph, planned: Graph) -> Plan:
             break
         s.end = min(s.end, n)
         s.saved = [v for v in s.saved if v < len(block.values) and block.values[v].producer < n]
+        s.offloaded = [
+            v for v in s.offloaded if v < len(block.values) and block.values[v].producer < n
+        ]
         segments.append(s)
     p.segments = segments
     p.fingerprint, p.num_nodes = block.fingerprint, n

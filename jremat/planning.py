@@ -264,8 +264,8 @@ def plan(
       verify: compile plans and keep only one whose compiled temp bytes meet the budget
         (recommended). With False the cost model (scaled to the baseline) decides and only
         the baseline is compiled; the plan may then miss the budget.
-      max_rounds: how many plans verification may compile before settling.
-      max_cuts: cut candidates the DP considers.
+      max_rounds: how many plans verification may compile before settling (an int >= 1).
+      max_cuts: cut candidates the DP considers (an int >= 1).
       offload: host offload (`jremat.offload`). None/False (default): segments save or
         recompute. True or a `jremat.OffloadCost(host_bandwidth=bytes/s, device_flops=FLOP/s)`:
         a segment may also offload the values `dots_saveable` would save to pinned host
@@ -288,20 +288,25 @@ def plan(
       A `Plan`; `Plan.identity` when the budget is at or above the unrematerialized program.
 
     Raises:
-      ValueError: an invalid budget (names the accepted forms) or unknown solver.
+      ValueError: an invalid budget (names the accepted forms) or unknown solver;
+        `max_rounds` or `max_cuts` below 1.
       InfeasibleBudgetError: no plan reaches the budget; states the smallest reachable budget
         in the caller's unit.
       TypeError: `fn` does not return a scalar float, or `argnums` selects no float input;
         `in_shardings` (or an entry's leaf) or `mesh` of another type; `offload` is not one of
-        the accepted forms.
+        the accepted forms; `verify` not a bool; `max_rounds` or `max_cuts` not an int (a
+        bool included).
       ValueError (sharding): `in_shardings` does not match the arguments, a `PartitionSpec`
         without a mesh, or a mesh needing more devices than exist (see `jremat.sharding`).
     """
+    from ._args import check_count, check_flag
+
     spec = parse_budget(budget)
     offload_cost = parse_offload(offload)
     check_solver(solver)
-    if not isinstance(max_rounds, int) or max_rounds < 1:
-        raise ValueError(f"max_rounds must be an int >= 1, got {max_rounds!r}")
+    verify = check_flag("verify", verify)
+    max_rounds = check_count("max_rounds", max_rounds)
+    max_cuts = check_count("max_cuts", max_cuts)
     prog = Program(fn, args, argnums, in_shardings=in_shardings, mesh=mesh)
     return solve(
         prog,

@@ -208,7 +208,13 @@ def segment_policy(seg: Segment) -> Callable[..., Any]:
 
 
 def run_graph(graph: Graph, plan: Plan, flat_args: Sequence[Any], *, prevent_cse: bool = True):
-    """Evaluate `graph` on flat arguments following `plan`; returns the flat outputs."""
+    """Evaluate `graph` on flat arguments following `plan`; returns the flat outputs.
+
+    Raises:
+      ValueError: a segment's `saved` or `offloaded` names a value id the graph lacks (a plan
+        edited by hand, or made for another program); the message names the segment and ids.
+    """
+    check_value_ids(graph, plan)
     env: dict[int, Any] = dict(zip(graph.invars, flat_args, strict=True))
     env.update(graph.consts)
     for seg in plan.segments:
@@ -236,6 +242,25 @@ def run_graph(graph: Graph, plan: Plan, flat_args: Sequence[Any], *, prevent_cse
     return [x.val if is_literal(x) else env[x] for x in graph.outvars]
 
 
+def check_value_ids(graph: Graph, plan: Plan) -> None:
+    """Check every value id in the segments' `saved` and `offloaded` lists is one of `graph`'s
+    (a `Plan` holds ids only, so this is checked where it meets its program).
+
+    Raises:
+      ValueError: naming the segment, the field and the ids the graph lacks.
+    """
+    n = len(graph.values)
+    for i, seg in enumerate(plan.segments):
+        for field in ("saved", "offloaded"):
+            bad = [v for v in getattr(seg, field) if not 0 <= v < n]
+            if bad:
+                raise ValueError(
+                    f"Plan.segments[{i}].{field} names value id(s) {bad} that the program does "
+                    f"not have (its value ids are 0 .. {n - 1}): the plan was edited or made "
+                    "for another program. Make a new plan (jremat.plan)."
+                )
+
+
 def rematerialize(
     fn: Callable[..., Any], plan: Plan, *, prevent_cse: bool = True
 ) -> Callable[..., Any]:
@@ -257,10 +282,12 @@ def rematerialize(
 
     Raises:
       TypeError: `plan` is not a `jremat.Plan`.
-      ValueError: the plan's segments do not tile its equations, or its `scans` entries are
-        malformed (`Plan.validate`).
+      ValueError: the plan's segments do not tile its equations or have fields of the wrong
+        type, or its `scans` entries are malformed (`Plan.validate`).
       PlanMismatchError (a ValueError), at call time: the call's program differs from the one
         the plan was made for (other shapes, dtypes or equations).
+      ValueError, at call time: a segment saves or offloads a value id the program lacks
+        (`check_value_ids`).
     """
     if not isinstance(plan, Plan):
         raise TypeError(f"plan must be a jremat.Plan, got {type(plan).__name__}")

@@ -338,6 +338,14 @@ def _to_sharding(entry: Any, mesh: Any, where: str) -> Any:
                 "pass mesh=jax.make_mesh(...) or call under `with jax.set_mesh(mesh):`, or "
                 "give a NamedSharding."
             )
+        missing = [a for e in entry for a in _axes(e) if a not in m.axis_names]
+        if missing:
+            raise ValueError(
+                f"in_shardings{where} is the PartitionSpec {entry}, which names mesh axis "
+                f"{', '.join(map(repr, missing))} that the mesh lacks: its axes are "
+                f"{mesh_axes(m)}. Name axes of the mesh, or pass the mesh they belong to "
+                "(mesh= or jax.set_mesh)."
+            )
         return NamedSharding(concrete_mesh(m), entry)
     raise TypeError(
         f"in_shardings{where} is {type(entry).__name__} {entry!r}; accepted: {IN_SHARDINGS_FORMS}."
@@ -362,8 +370,8 @@ def shard_args(args: Sequence[Any], in_shardings: Any = None, mesh: Any = None) 
       TypeError: `mesh` is not a Mesh/AbstractMesh/None (`check_mesh`); `in_shardings`, or a
         leaf of an entry, is neither a NamedSharding, a PartitionSpec nor None.
       ValueError: `in_shardings` does not match the arguments' structure, a PartitionSpec has
-        no mesh, a spec has more entries than its argument has dimensions, or the mesh needs
-        more devices than exist.
+        no mesh or names an axis the mesh lacks, a spec has more entries than its argument has
+        dimensions, or the mesh needs more devices than exist.
     """
     from .planning import abstract_args
 

@@ -47,6 +47,11 @@ BAD_BUDGETS = [
     pytest.param("nan", id="str-nan"),
     pytest.param("1e400MiB", id="str-overflow"),
     pytest.param(1 + 2j, id="complex"),
+    pytest.param(np.complex64(0.5 + 1j), id="np-complex64"),
+    pytest.param(np.array(0.5 + 0j), id="np-complex-0d"),
+    pytest.param(np.array([1, 2]), id="np-int-array"),
+    pytest.param(np.array([0.5]), id="np-one-element-array"),
+    pytest.param(jnp.array([0.5, 0.25]), id="jax-array"),
 ]
 
 
@@ -98,6 +103,45 @@ def test_bad_solver_names_solver_and_the_accepted_ones_before_tracing(solver):
         assert str(info.value) == (
             f"solver must be one of {SOLVER_LIST} or None (jremat.plan's default, 'auto'); " + shown
         )
+
+
+@pytest.mark.parametrize(
+    "name, value, error",
+    [
+        ("max_cuts", "10", TypeError),
+        ("max_cuts", None, TypeError),
+        ("max_cuts", 2.5, TypeError),
+        ("max_cuts", float("nan"), TypeError),
+        ("max_cuts", True, TypeError),
+        ("max_cuts", 0, ValueError),
+        ("max_cuts", -3, ValueError),
+        ("max_rounds", True, TypeError),
+        ("max_rounds", np.True_, TypeError),
+        ("max_rounds", 2.0, TypeError),
+        ("max_rounds", 0, ValueError),
+        ("verify", "yes", TypeError),
+        ("verify", 2, TypeError),
+        ("verify", 1, TypeError),
+        ("verify", None, TypeError),
+    ],
+)
+def test_bad_count_or_flag_names_the_argument_before_tracing(name, value, error):
+    def fn(params, x):  # never traced: the arguments are checked first
+        raise AssertionError("traced")
+
+    accepted = "a bool (True or False)" if name == "verify" else "an int >= 1"
+    with pytest.raises(error) as info:
+        jremat.plan(fn, jnp.ones(3), jnp.ones(3), budget=0.5, **{name: value})
+    assert str(info.value).startswith(f"{name} must be {accepted}, got "), str(info.value)
+    if name == "max_cuts":  # jremat.auto takes no max_cuts
+        return
+    for call in (
+        lambda: jremat.auto(fn, budget=0.5, **{name: value}),
+        lambda: jremat.auto(budget=0.5, **{name: value}),  # decorator-factory form
+    ):
+        with pytest.raises(error) as info:
+            call()
+        assert str(info.value).startswith(f"{name} must be {accepted}, got "), str(info.value)
 
 
 @pytest.mark.parametrize(

@@ -232,6 +232,10 @@ def test_offload_cost_takes_numpy_and_jax_scalars_as_floats():
     assert repr(c) == "OffloadCost(host_bandwidth=10000000000.0, device_flops=1000000000000.0)"
     assert OffloadCost(host_bandwidth=jnp.float32(2.0)).host_bandwidth == 2.0
     assert OffloadCost(np.array(3.0)).host_bandwidth == 3.0
+    for dtype in (jnp.bfloat16, jnp.float16, jnp.float8_e4m3fn, jnp.int8):
+        cost = OffloadCost(host_bandwidth=jnp.array(64, dtype), device_flops=np.array(2, dtype))
+        assert cost == OffloadCost(64.0, 2.0), dtype
+    assert OffloadCost(jnp.array(1e10, jnp.bfloat16)).host_bandwidth == pytest.approx(1e10, 1e-2)
     assert c.flops_per_byte == 200.0
     assert repr(OffloadCost(10, 3)) == "OffloadCost(host_bandwidth=10, device_flops=3)"
 
@@ -248,6 +252,9 @@ def test_offload_cost_takes_numpy_and_jax_scalars_as_floats():
         ("device_flops", 0, "int 0"),
         ("device_flops", 1j, "complex 1j"),
         ("device_flops", np.ones(2), "ndarray array([1., 1.])"),
+        ("device_flops", np.array(1 + 0j), "ndarray array(1.+0.j)"),
+        ("device_flops", jnp.array(True), "ArrayImpl Array(True, dtype=bool)"),
+        ("device_flops", jnp.zeros((), jnp.bfloat16), "ArrayImpl Array(0, dtype=bfloat16)"),
         pytest.param("device_flops", 10**400, "int 1000", id="device_flops-huge-int"),
     ],
 )

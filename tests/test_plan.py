@@ -262,6 +262,44 @@ def test_from_json_rejects_malformed_plans(text):
         Plan.from_json(text)
 
 
+@pytest.mark.parametrize(
+    "field, value, shown",
+    [
+        ("end", "5", "end must be an int, got str '5'"),
+        ("start", 0.0, "start must be an int, got float 0.0"),
+        ("end", True, "end must be an int, got bool True"),
+        ("policy", 3, "policy must be a string, got int 3"),
+        ("saved", [1, "2"], "saved must be a list of int value ids, got [1, '2']"),
+        ("saved", 4, "saved must be a list of int value ids, got 4"),
+        ("offloaded", [1.5], "offloaded must be a list of int value ids, got [1.5]"),
+    ],
+)
+def test_from_json_names_the_segment_and_field_of_a_wrong_type(field, value, shown):
+    segments = [{"start": 0, "end": 2, "policy": "keep"}, {"start": 2, "end": 5}]
+    segments[1][field] = value
+    text = json.dumps({"segments": segments, "fingerprint": "x", "num_nodes": 5})
+    with pytest.raises(ValueError) as info:
+        Plan.from_json(text)
+    assert str(info.value) == f"Plan.segments[1].{shown}"
+
+
+@pytest.mark.parametrize("field", ["saved", "offloaded"])
+def test_value_id_the_program_lacks_is_named_when_the_plan_runs(field):
+    def loss(w, x):
+        return jnp.sum(jnp.tanh(jnp.tanh(x @ w) @ w))
+
+    args = (jnp.ones((4, 4)), jnp.ones((2, 4)))
+    graph = jremat.trace(loss, *args)
+    p = Plan.from_spans(graph, [(0, graph.num_nodes)], ["names"], "hand")
+    setattr(p.segments[0], field, [1000000])
+    p = Plan.from_json(p.to_json())  # a matching fingerprint: only the ids are wrong
+    with pytest.raises(ValueError) as info:
+        jax.grad(jremat.rematerialize(loss, p))(*args)
+    msg = str(info.value)
+    assert msg.startswith(f"Plan.segments[0].{field} names value id(s) [1000000] that"), msg
+    assert f"its value ids are 0 .. {len(graph.values) - 1}" in msg, msg
+
+
 # -- summary -----------------------------------------------------------------------------------
 def test_summary_mentions_each_segment(cache):
     m = cache.model("decoder")

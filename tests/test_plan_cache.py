@@ -145,6 +145,13 @@ def test_cache_validates_its_arguments():
         PlanCache(0.5, solver="nope")
     with pytest.raises(ValueError, match="max_rounds"):
         PlanCache(0.5, max_rounds=0)
+    with pytest.raises(TypeError, match=r"^max_rounds must be an int >= 1, got bool True"):
+        PlanCache(0.5, max_rounds=True)
+    for verify in ("yes", 2, None):
+        with pytest.raises(TypeError, match=r"^verify must be a bool \(True or False\), got "):
+            PlanCache(0.5, verify=verify)
+    numpy_args = PlanCache(0.5, verify=np.False_, max_rounds=np.int64(2))
+    assert numpy_args.verify is False and type(numpy_args.max_rounds) is int
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert "plans=0" in repr(PlanCache(0.5))

@@ -104,6 +104,33 @@ def test_in_shardings_errors_name_the_argument_and_forms():
         jremat.measure(loss, *args, in_shardings=([P(), P()], None))
 
 
+def test_in_shardings_axis_the_mesh_lacks_names_it_and_the_mesh_axes():
+    mesh = jax.make_mesh((1,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
+    args = (jnp.ones((4, 4)), jnp.ones((8, 4)))
+    expected = (
+        "in_shardings[1] is the PartitionSpec P('model',), which names mesh axis 'model' "
+        "that the mesh lacks: its axes are {'data': 1}."
+    )
+    calls = {
+        "plan": lambda: jremat.plan(
+            _never_traced, *args, budget=0.5, in_shardings=(P(), P("model")), mesh=mesh
+        ),
+        "measure": lambda: jremat.measure(
+            _never_traced, *args, in_shardings=(None, P(("data", "model"))), mesh=mesh
+        ),
+    }
+    for name, call in calls.items():
+        with pytest.raises(ValueError) as info:
+            call()
+        msg = str(info.value)
+        if name == "plan":
+            assert msg.startswith(expected), msg
+        assert "'model'" in msg and "{'data': 1}" in msg and "in_shardings[1]" in msg, msg
+    with jax.set_mesh(mesh):  # the ambient mesh is checked the same way
+        with pytest.raises(ValueError, match=r"names mesh axis 'model' that the mesh lacks"):
+            jremat.measure(_never_traced, *args, in_shardings=P("model"))
+
+
 def _never_traced(w, x):
     raise AssertionError("traced: the argument should have been rejected first")
 
