@@ -20,7 +20,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from . import _compat, mixing
+from . import _compat, mixing, refine
 from .budget import Budget, parse_budget
 from .errors import InfeasibleBudgetError
 from .measure import compile_figures
@@ -443,6 +443,23 @@ def solve(
     for p, c in prog.tried:
         if c.temp_bytes <= target and score(p, c) < best[0]:
             best = (score(p, c), copy.deepcopy(p), c)
+    if best[1] is None:
+        # still nothing fits: cut the segment at the peak of the lowest compiled plan finer
+        # (jremat.refine); like the floor plans, this does not depend on the target
+        lowest = min(
+            ((p, c) for p, c in [*anchors, *floor] if not p.scans),
+            key=lambda pc: pc[1].temp_bytes,
+            default=None,
+        )
+        for candidate in refine.candidates(prog.graph, planner, lowest[0]) if lowest else []:
+            if _key(candidate) in seen:
+                continue
+            seen.add(_key(candidate))
+            c = prog.compile(candidate)
+            floor.append((candidate, c))
+            log.append(f"peak segment split: compiled temp {c.temp_bytes:,}")
+            if c.temp_bytes <= target and score(candidate, c) < best[0]:
+                best = (score(candidate, c), candidate, c)
     _, chosen, c = best
     if chosen is None:
         # what a new plan() call at the stated budget compiles again (not the target-driven
