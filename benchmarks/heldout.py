@@ -103,9 +103,10 @@ def model_rows(name: str, budgets) -> tuple[list[str], list[float], list[str]]:
             ratios.append(r)
             ratio = f"{r:.2f}"
         pred = plan.predicted_temp_bytes / plan.measured_temp_bytes
+        pred_text = f"{pred:.2f}" if plan.predicted_temp_bytes else "n/a (sub-layer segments)"
         lines.append(
             f"| {name} | {b} | {frac:.3f} / {pct:.2f}% ({plan.solver}, {seconds:.0f} s, "
-            f"predicted/compiled temp {pred:.2f}) | {ratio or '-'} | "
+            f"predicted/compiled temp {pred_text}) | {ratio or '-'} | "
             + (f"{ref[1]} {ref_pct:.2f}%" if ref else "none fits")
             + " |"
         )

@@ -62,7 +62,8 @@ class Plan:
       solver: the planner that produced it (`"chain"`, `"layers"`, `"identity"` ...).
       budget: the budget asked for, as the caller gave it (JSON-able), or None.
       budget_temp_bytes: that budget translated to XLA temp bytes, or None.
-      predicted_temp_bytes: the planner's calibrated prediction of compiled temp bytes.
+      predicted_temp_bytes: the planner's calibrated prediction of compiled temp bytes; 0 when
+        the cost model cannot describe the plan (the sub-layer segments of `jremat.refine`).
       recompute_flops: predicted FLOPs recomputed in the backward pass.
       offloaded_bytes: predicted bytes the plan offloads to pinned host memory (each copied to
         host in the forward pass and back in the backward pass); 0 without offload.

@@ -468,6 +468,11 @@ def solve(
     chosen = prog.record(chosen, c)
     chosen.notes.extend(log)
     model = planner.predict(chosen)  # None for loop pieces: a mix keeps its interpolation
+    if model is None and chosen.solver.endswith("+split"):
+        chosen.predicted_temp_bytes = 0
+        chosen.notes.append(
+            "no cost-model prediction: its sub-layer cuts are not the model's cut candidates"
+        )
     if model is not None and calibrated:
         # the fitted model is in compiled bytes already
         chosen.predicted_temp_bytes = int(model)
