@@ -118,25 +118,32 @@ def model_rows(name: str, budgets) -> tuple[list[str], list[float], list[str]]:
 def calibration_row(name: str, prog: Program) -> str:
     """Leave-one-out error of the fitted cost model (`ChainPlanner.calibrate`) on every
     compiled plan it describes: each plan's temp is predicted by the model fitted to all the
-    other compiled plans, then compared with XLA's."""
+    other compiled plans, then compared with XLA's. FLOPs: the model's recompute FLOPs added
+    to the unrematerialized program's compiled FLOPs, against the plan's compiled FLOPs."""
     import copy
 
     import numpy as np
 
     planner = copy.copy(prog.planner("chain", 160))
-    base = (jremat.Plan.identity(prog.graph), prog.baseline.temp_bytes)
-    samples = [base] + [(p, c.temp_bytes) for p, c in prog.tried]
-    samples = [s for s in samples if planner.segments_of(s[0]) is not None]
-    errs = []
+    base = prog.baseline
+    compiled = [(jremat.Plan.identity(prog.graph), base)] + list(prog.tried)
+    compiled = [(p, c) for p, c in compiled if planner.segments_of(p) is not None]
+    samples = [(p, c.temp_bytes) for p, c in compiled]
+    errs, flop_errs = [], []
+    t = planner.raw_table
     for i, (plan, real) in enumerate(samples):
         if planner.calibrate(samples[:i] + samples[i + 1 :]):
             errs.append(abs(planner.predict(plan) / real - 1))
+        recompute = sum(t.flops[k, a, b] for a, b, k in planner.segments_of(plan))
+        flop_errs.append(abs((base.flops + recompute) / compiled[i][1].flops - 1))
     if not errs:
         return f"| {name} | calibration | too few compiled plans | - | - |"
     within = sum(e <= 0.15 for e in errs) / len(errs)
     return (
         f"| {name} | calibration | leave-one-out temp error over {len(errs)} compiled plans: "
-        f"median {100 * float(np.median(errs)):.1f}%, {100 * within:.0f}% within 15% | - | - |"
+        f"median {100 * float(np.median(errs)):.1f}%, {100 * within:.0f}% within 15%; "
+        f"FLOPs error median {100 * float(np.median(flop_errs)):.2f}%, "
+        f"max {100 * float(np.max(flop_errs)):.2f}% | - | - |"
     )
 
 
