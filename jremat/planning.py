@@ -354,7 +354,7 @@ def solve(
         # temp bytes (the only compiled figure verify=False has)
         model_target = target * model_none / max(base.temp_bytes, 1)
         chosen = planner.plan(model_target) or _raise_model_infeasible(
-            spec, prog, model_min, model_none
+            spec, prog, planner, model_none
         )
         chosen.notes.append("verify=False: chosen by the cost model, scaled to the baseline")
         return _finish(chosen, meta, solver, prog.graph)
@@ -547,18 +547,24 @@ def _raise_infeasible(spec: Budget, prog: Program, compiled: list[tuple[Plan, Co
     )
 
 
-def _raise_model_infeasible(spec: Budget, prog: Program, model_min: float, model_none: float):
+def _raise_model_infeasible(spec: Budget, prog: Program, planner: Any, model_none: float):
     base = prog.baseline
-    # the model's bytes, scaled to compiled bytes through the unrematerialized program; the
-    # unchanged program (1.0) is always reachable, so the estimate never exceeds it
-    estimate = min(model_min / max(model_none, 1.0), 1.0) * base.temp_bytes
-    smallest = spec.in_caller_unit(int(estimate), base.temp_bytes, base.fixed_bytes)
+    # the smallest model budget the planner returns a plan at (its DP rounds stores up, so
+    # the model's minimum peak itself may not be one), scaled to compiled bytes through the
+    # unrematerialized program as verify=False scales budgets; 1.0 is always reachable
+    model_min = planner.min_memory_plan().predicted_temp_bytes
+    reachable = next(
+        (model_min * f for f in (1.0, *FLOOR_LADDER) if planner.plan(model_min * f) is not None),
+        model_none,
+    )
+    estimate = math.ceil(min(reachable / max(model_none, 1.0), 1.0) * base.temp_bytes)
+    smallest = spec.in_caller_unit(estimate, base.temp_bytes, base.fixed_bytes)
     raise InfeasibleBudgetError(
         f"budget={spec.raw!r} is below the smallest the cost model reaches "
         f"({spec.describe(smallest)}; verify=False, so this is the model's estimate)",
         budget=spec.raw,
         smallest_reachable=smallest,
-        smallest_reachable_bytes=int(estimate),
+        smallest_reachable_bytes=estimate,
     )
 
 

@@ -118,6 +118,20 @@ def test_stated_smallest_budget_holds_in_a_new_plan_call(budget):
     assert plan.measured_temp_bytes <= info.value.smallest_reachable_bytes
 
 
+@pytest.mark.parametrize("name", ["mlp_chain", "custom_vjp", "bf16"])
+@pytest.mark.parametrize("budget", [0.01, "1KiB"])
+def test_model_only_smallest_budget_holds_in_the_model(name, budget):
+    """With verify=False the stated smallest budget is the model's: planning at it returns a
+    plan instead of raising the same error again."""
+    m = M.MODELS[name]()
+    with pytest.raises(jremat.InfeasibleBudgetError) as info:
+        jremat.plan(m.loss, *m.args, budget=budget, solver="chain", verify=False)
+    plan = jremat.plan(
+        m.loss, *m.args, budget=info.value.smallest_reachable, solver="chain", verify=False
+    )
+    assert any(s.checkpointed for s in plan.segments)
+
+
 def test_auto_never_recomputes_more_than_a_fitting_builtin(programs):
     _, prog = programs("decoder")
     base = prog.baseline
