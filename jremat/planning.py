@@ -28,6 +28,7 @@ from .offload import OffloadCost, host_offload_effective, parse_offload
 from .plan import Plan
 from .planners import PLANNERS
 from .planners.candidates import candidate_cuts, layer_spans
+from .planners.chain import ChainPlanner
 from .rewrite import rematerialize
 from .sharding import manual_axes, shard_args
 from .trace import Graph, _check_differentiable, build_graph, normalize_argnums
@@ -397,7 +398,7 @@ def solve(
     # InfeasibleBudgetError states (anchors and these) is found again when asked for.
     floor: list[tuple[Plan, Compiled]] = []
     for factor in () if fitting else FLOOR_LADDER:
-        candidate = planner.plan(model_min * factor)
+        candidate = ChainPlanner.plan(planner, model_min * factor)  # the DP: no time limit
         if candidate is None or _key(candidate) in seen:
             continue
         seen.add(_key(candidate))
@@ -553,10 +554,8 @@ def _raise_model_infeasible(spec: Budget, prog: Program, planner: Any, model_non
     # the model's minimum peak itself may not be one), scaled to compiled bytes through the
     # unrematerialized program as verify=False scales budgets; 1.0 is always reachable
     model_min = planner.min_memory_plan().predicted_temp_bytes
-    reachable = next(
-        (model_min * f for f in (1.0, *FLOOR_LADDER) if planner.plan(model_min * f) is not None),
-        model_none,
-    )
+    budgets = [model_min * f for f in (1.0, *FLOOR_LADDER)]
+    reachable = next((b for b in budgets if ChainPlanner.plan(planner, b) is not None), model_none)
     estimate = math.ceil(min(reachable / max(model_none, 1.0), 1.0) * base.temp_bytes)
     smallest = spec.in_caller_unit(estimate, base.temp_bytes, base.fixed_bytes)
     raise InfeasibleBudgetError(
