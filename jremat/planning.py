@@ -397,18 +397,24 @@ def solve(
     # budgets. They do not depend on the target, so the smallest budget an
     # InfeasibleBudgetError states (anchors and these) is found again when asked for.
     floor: list[tuple[Plan, Compiled]] = []
-    for factor in () if fitting else FLOOR_LADDER:
-        candidate = ChainPlanner.plan(planner, model_min * factor)  # the DP: no time limit
+
+    def add_floor(candidate: Plan | None, label: str) -> None:
+        nonlocal best
         if candidate is None or _key(candidate) in seen:
-            continue
+            return
         seen.add(_key(candidate))
         c = prog.compile(candidate)
         floor.append((candidate, c))
-        log.append(
-            f"floor: model budget {model_min * factor:,.0f} -> compiled temp {c.temp_bytes:,}"
-        )
+        log.append(f"{label} -> compiled temp {c.temp_bytes:,}")
         if c.temp_bytes <= target and score(candidate, c) < best[0]:
             best = (score(candidate, c), candidate, c)
+
+    for factor in () if fitting else FLOOR_LADDER:
+        # the DP: no time limit, so the same plans come back in a new call
+        add_floor(
+            ChainPlanner.plan(planner, model_min * factor),
+            f"floor: model budget {model_min * factor:,.0f}",
+        )
     for round_ in range(max_rounds if fitting else min(max_rounds, 2)):
         candidate = planner.plan(model_budget)
         if candidate is not None and _key(candidate) not in seen:
@@ -453,14 +459,7 @@ def solve(
             default=None,
         )
         for candidate in refine.candidates(prog.graph, planner, lowest[0]) if lowest else []:
-            if _key(candidate) in seen:
-                continue
-            seen.add(_key(candidate))
-            c = prog.compile(candidate)
-            floor.append((candidate, c))
-            log.append(f"peak segment split: compiled temp {c.temp_bytes:,}")
-            if c.temp_bytes <= target and score(candidate, c) < best[0]:
-                best = (score(candidate, c), candidate, c)
+            add_floor(candidate, "peak segment split")
     _, chosen, c = best
     if chosen is None:
         # what a new plan() call at the stated budget compiles again (not the target-driven

@@ -83,11 +83,7 @@ def peak_order(planner: Any, plan: Plan) -> list[int]:
     ckpt = [i for i, s in enumerate(plan.segments) if s.checkpointed]
     if segs is None or len(segs) != len(plan.segments):
         return sorted(ckpt, key=lambda i: plan.segments[i].start - plan.segments[i].end)
-    t = planner.table
-    running, here = 0.0, []
-    for a, b, k in segs:
-        running += t.stored[k, a, b]
-        here.append(running + t.transient[k, a, b])
+    here = planner.segment_peaks(segs)
     return sorted(ckpt, key=lambda i: -here[i] if np.isfinite(here[i]) else np.inf)
 
 

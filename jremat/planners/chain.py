@@ -268,14 +268,17 @@ class ChainPlanner:
         """Modelled peak (calibrated bytes, see `calibrate`) of any plan `segments_of`
         describes; None otherwise."""
         segs = self.segments_of(plan)
-        if segs is None:
-            return None
+        return None if segs is None else max([0.0, *self.segment_peaks(segs)])
+
+    def segment_peaks(self, segs: list[tuple[int, int, int]]) -> list[float]:
+        """Modelled bytes live during each segment's backward pass (the stores of it and every
+        earlier segment plus its transient), for `[(a, b, option index)]` from `segments_of`."""
         t = self.table
-        running, peak = 0.0, 0.0
+        running, out = 0.0, []
         for a, b, k in segs:
             running += t.stored[k, a, b]
-            peak = max(peak, running + t.transient[k, a, b])
-        return peak
+            out.append(running + t.transient[k, a, b])
+        return out
 
     def calibrate(self, samples: list[tuple[Plan, float]], ridge: float = 0.3) -> bool:
         """Fit the cost model to compiled programs: one scale per save option on the bytes
