@@ -34,9 +34,12 @@ import jax.numpy as jnp
 
 import jremat
 from jremat import data
-from jremat.budget import parse_budget
-from jremat.measure import compile_step, median_step_seconds, xla_flops
-from jremat.planning import Program, recipe_plan, solve
+from jremat._src.base.budget import parse_budget
+from jremat._src.compile.program import Program
+from jremat._src.compile.xla import compile_step, xla_flops
+from jremat._src.plan.recipes import recipe_plan
+from jremat._src.reports.measure import median_step_seconds
+from jremat._src.search.solve import solve
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SIZES = {

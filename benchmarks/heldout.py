@@ -31,9 +31,11 @@ import jax
 
 import jremat
 import jremat.models
-from jremat.budget import parse_budget
-from jremat.planners import PLANNERS
-from jremat.planning import ANCHOR_RECIPES, Program, recipe_plan, scan_configs, solve
+from jremat._src.base.budget import parse_budget
+from jremat._src.compile.program import Program
+from jremat._src.plan.planners import PLANNERS
+from jremat._src.plan.recipes import ANCHOR_RECIPES, recipe_plan, scan_configs
+from jremat._src.search.solve import solve
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
@@ -151,7 +153,7 @@ def milp_rows(name: str, budgets) -> list[str]:
     """Chain DP vs the MILP's proven optimum on the model's segment model (no compiles)."""
     loss, params, batch = workload(name)
     graph = jremat.trace(loss, params, batch)
-    from jremat.planning import AUTO_MILP_MAX_NODES, AUTO_MILP_SECONDS
+    from jremat._src.compile.program import AUTO_MILP_MAX_NODES, AUTO_MILP_SECONDS
 
     milp = PLANNERS["milp"](graph, max_cuts=32, time_limit=30.0)
     chain = PLANNERS["chain"](graph, max_cuts=32)

@@ -28,8 +28,10 @@ import jax.numpy as jnp
 
 import jremat
 import jremat.models
-from jremat.budget import parse_budget
-from jremat.planning import ANCHOR_RECIPES, Program, recipe_plan, scan_configs, solve
+from jremat._src.base.budget import parse_budget
+from jremat._src.compile.program import Program
+from jremat._src.plan.recipes import ANCHOR_RECIPES, recipe_plan, scan_configs
+from jremat._src.search.solve import solve
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 OUT = os.path.join(HERE, "results")

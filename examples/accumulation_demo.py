@@ -1,9 +1,9 @@
 """Gradient accumulation demo: three ways to take the same large-batch AdamW step.
 
 1. one large batch (``jax.value_and_grad``);
-2. ``jremat.microbatching.microbatch``: the batch split into k microbatches inside one
+2. ``jremat.microbatch``: the batch split into k microbatches inside one
    jitted step (lower compiled temp memory, no extra optimizer state);
-3. ``jremat.accumulation.accumulate``: k calls on k microbatches, the optimizer applied
+3. ``jremat.accumulate``: k calls on k microbatches, the optimizer applied
    on every k-th (``optax.MultiSteps``; one gradient-sized accumulator of state).
 
 It prints the largest parameter difference to the large-batch run, the compiled temp
@@ -19,8 +19,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from jremat.accumulation import accumulate, has_updated, state_bytes
-from jremat.microbatching import microbatch
+from jremat import accumulate, has_updated, microbatch, state_bytes
 
 K, BATCH, D_IN, D_H, STEPS = 4, 256, 32, 256, 5
 

@@ -10,7 +10,7 @@ the 4 blocks share that plan. Parameter paths are those of the undecorated model
 (`Block_0` ... `Block_3`), so checkpoints load either way.
 
 It prints the compiled temp bytes of the training step (`jremat.measure`) with the decorator
-and without it (the same model under `jremat.plan_cache.disabled()`, which switches the
+and without it (the same model under `jremat.disabled()`, which switches the
 decorators off), the block's plan, and the loss falling. About a minute on a CPU:
 
     python examples/flax_linen.py
@@ -28,7 +28,6 @@ import optax
 
 import jremat
 from jremat import data
-from jremat.plan_cache import disabled
 
 VOCAB, D, HEADS, LAYERS, SEQ, BATCH, STEPS, LR, DROPOUT = 256, 64, 4, 4, 64, 16, 200, 3e-3, 0.1
 
@@ -77,7 +76,7 @@ def main() -> None:
         return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
 
     key = jax.random.key(1)
-    with disabled():
+    with jremat.disabled():
         plain = jremat.measure(loss_fn, params, tokens, key)
     remat = jremat.measure(loss_fn, params, tokens, key)  # plans the blocks (once per shape)
     (plan,) = Block.plan_cache.plans.values()

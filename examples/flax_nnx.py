@@ -9,7 +9,7 @@ pass (at most 40% of the unrematerialized bytes, verified on compiled programs; 
 decorator.
 
 It prints the compiled temp bytes of the loss's value-and-gradient (`nnx.jit(...).lower()`)
-with the decorator and without it (the same model under `jremat.plan_cache.disabled()`), the
+with the decorator and without it (the same model under `jremat.disabled()`), the
 block's plan, and the loss falling. About a minute on a CPU:
 
     python examples/flax_nnx.py
@@ -27,7 +27,6 @@ from flax import nnx
 
 import jremat
 from jremat import data
-from jremat.plan_cache import disabled
 
 VOCAB, D, HEADS, LAYERS, SEQ, BATCH, STEPS, LR, DROPOUT = 256, 64, 4, 4, 64, 16, 200, 3e-3, 0.1
 
@@ -93,7 +92,7 @@ def main() -> None:
         cost = cost[0] if isinstance(cost, (list, tuple)) else cost
         return exe.memory_analysis().temp_size_in_bytes, cost["flops"]
 
-    with disabled():
+    with jremat.disabled():
         plain_temp, plain_flops = compiled(model, tokens)
     temp, flops = compiled(model, tokens)  # plans the blocks (once per shape signature)
     (plan,) = Block.plan_cache.plans.values()

@@ -1,23 +1,27 @@
 """jremat: automatic, budgeted rematerialization and gradient accumulation for JAX and Flax.
 
 trace -> solve (planners) -> Plan -> rewrite (jax.checkpoint per segment) -> verify (XLA)
+
+The implementation lives in `jremat._src`, one subpackage per layer of that flow; every public
+name is re-exported here (see `docs/architecture.md`).
 """
 
-from . import policies
-from .accumulation import accumulate, has_updated, state_bytes
-from .budget import parse_budget
-from .comparison import Comparison, compare
-from .decorator import auto
-from .errors import InfeasibleBudgetError, PlanMismatchError
-from .explain import ExplainRow, Explanation, explain
-from .measure import Measurement, measure
-from .microbatching import microbatch
-from .offload import OffloadCost
-from .plan import Plan, Segment
-from .planning import plan
-from .rewrite import rematerialize
-from .trace import Graph, trace
-from .training_plan import TrainingPlan, plan_training
+from jremat import policies
+from jremat._src.base.budget import parse_budget
+from jremat._src.base.errors import InfeasibleBudgetError, PlanMismatchError
+from jremat._src.frontends.auto import auto
+from jremat._src.frontends.blocks import disabled
+from jremat._src.plan.offload import OffloadCost
+from jremat._src.plan.plan import Plan, Segment
+from jremat._src.plan.rewrite import rematerialize
+from jremat._src.reports.comparison import Comparison, compare
+from jremat._src.reports.explain import ExplainRow, Explanation, explain
+from jremat._src.reports.measure import Measurement, measure
+from jremat._src.search.solve import plan
+from jremat._src.trace.graph import Graph, trace
+from jremat._src.training.accumulation import accumulate, has_updated, state_bytes
+from jremat._src.training.microbatching import microbatch
+from jremat._src.training.training_plan import TrainingPlan, plan_training
 
 __version__ = "0.1.0"
 
@@ -36,6 +40,7 @@ __all__ = [
     "accumulate",
     "auto",
     "compare",
+    "disabled",
     "explain",
     "has_updated",
     "measure",

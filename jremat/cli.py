@@ -22,8 +22,8 @@ import traceback
 
 
 def _budgets(text: str) -> list:
-    from .budget import parse_budget
-    from .comparison import parse_budget_text
+    from jremat._src.base.budget import parse_budget
+    from jremat._src.reports.comparison import parse_budget_text
 
     out = [parse_budget_text(p) for p in text.split(",") if p.strip()]
     if not out:
@@ -41,8 +41,8 @@ def _names(text: str) -> list[str]:
 
 
 def _parser() -> argparse.ArgumentParser:
-    from . import models
-    from .planning import SOLVERS
+    from jremat import models
+    from jremat._src.search.solve import SOLVERS
 
     parser = argparse.ArgumentParser(prog="jremat", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -140,9 +140,9 @@ def _error(msg: str, code: int) -> int:
 
 
 def _compare(args: argparse.Namespace) -> int:
-    from . import models
-    from .comparison import _fixed_jobs, compare
-    from .planning import SOLVERS
+    from jremat import models
+    from jremat._src.reports.comparison import _fixed_jobs, compare
+    from jremat._src.search.solve import SOLVERS
 
     if args.runs < 0:
         return _error(f"--runs must be >= 0, got {args.runs}", 2)

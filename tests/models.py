@@ -5,7 +5,7 @@ Every model is a `Model(name, loss, params, x, argnums)`: `loss(params, x, ...) 
 each `jit(value_and_grad(loss))` compiles in well under a second on a shared CPU, while
 activations (batch large relative to width) still dominate XLA's temp bytes so budgets below
 1.0 are reachable. Layers are written under `jax.named_scope("layer_<i>")` (or `down_<i>` /
-`up_<i>`) so `jremat.planning.recipe_plan(graph, ..., "layers")` finds them.
+`up_<i>`) so `recipe_plan(graph, ..., "layers")` finds them.
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ import jax.numpy as jnp
 import numpy as np
 
 import jremat
-from jremat.plan import KEEP, SAVE_NAMES, Plan, Segment
-from jremat.planning import recipe_plan
+from jremat._src.plan.plan import KEEP, SAVE_NAMES, Plan, Segment
+from jremat._src.plan.recipes import recipe_plan
 
 #: The planner the core issue specifies (`jremat.plan(..., solver="chain")`). The tests pin it
 #: so that their runtime and figures do not depend on what a default solver picks.

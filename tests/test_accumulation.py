@@ -11,14 +11,14 @@ import optax
 import pytest
 
 from jremat import accumulation
-from jremat.accumulation import (
+from jremat._src.training.accumulation import (
     accumulate,
     has_updated,
     lr_scale_factor,
     state_breakdown,
     state_bytes,
 )
-from jremat.microbatching import microbatch
+from jremat._src.training.microbatching import microbatch
 
 B, D_IN, D_H = 16, 8, 16
 

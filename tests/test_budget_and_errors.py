@@ -12,7 +12,7 @@ from models import SOLVER
 
 import jremat
 from jremat import parse_budget
-from jremat.planning import recipe_plan
+from jremat._src.plan.recipes import recipe_plan
 
 ACCEPTED_FORMS = ("(0, 1]", "int", "512MiB", "8GB", "auto")
 

@@ -13,7 +13,7 @@ import json
 import pytest
 
 from jremat import cli, comparison
-from jremat.comparison import Comparison, Row
+from jremat._src.reports.comparison import Comparison, Row
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 

@@ -15,9 +15,16 @@ import pytest
 
 import jremat
 from jremat import models
-from jremat.comparison import AUTO, BUILTIN_PER_LAYER, NO_REMAT, SQRT_N, Comparison, Row
-from jremat.pareto import dominates, pareto_front
-from jremat.planning import recipe_plan
+from jremat._src.plan.recipes import recipe_plan
+from jremat._src.reports.comparison import (
+    AUTO,
+    BUILTIN_PER_LAYER,
+    NO_REMAT,
+    SQRT_N,
+    Comparison,
+    Row,
+)
+from jremat._src.reports.pareto import dominates, pareto_front
 
 BUDGETS = (0.5, 0.05)  # 0.05 is below what any plan reaches: an "infeasible" row
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"

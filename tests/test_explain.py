@@ -9,7 +9,7 @@ import pytest
 from flax import nnx
 
 import jremat
-from jremat.plan import KEEP
+from jremat._src.plan.plan import KEEP
 
 
 def mlp_loss(params, x):

@@ -23,8 +23,8 @@ from flax import errors as flax_errors
 
 import jremat
 from jremat import plan_cache
-from jremat.plan import KEEP, SAVE_NAMES, Plan, Segment
-from jremat.plan_cache import disabled
+from jremat._src.frontends.blocks import disabled
+from jremat._src.plan.plan import KEEP, SAVE_NAMES, Plan, Segment
 
 F32_TOL = 1e-5
 KEYS = {"params": jax.random.key(0), "dropout": jax.random.key(1)}
@@ -157,7 +157,7 @@ def test_jitted_optax_train_step_gradients_and_state_equal_undecorated(variables
 
 def three_kinds_plan(f, block, avals, ct_mask, spec, **kw):
     """A hand-made plan with every kind of segment: names saving two values, keep, and a
-    built-in policy (stands in for `jremat.plan_cache.plan_block`; nothing compiled)."""
+    built-in policy (stands in for `plan_block`; nothing compiled)."""
     n = block.num_nodes
     a, b = n // 3, 2 * n // 3
     outs = [o for node in block.nodes[:a] for o in node.outputs if block.values[o].is_float]

@@ -17,8 +17,8 @@ from flax import nnx
 
 import jremat
 from jremat import plan_cache
-from jremat.plan import KEEP, SAVE_NAMES, Plan, Segment
-from jremat.plan_cache import disabled
+from jremat._src.frontends.blocks import disabled
+from jremat._src.plan.plan import KEEP, SAVE_NAMES, Plan, Segment
 
 F32_TOL = 1e-5
 
@@ -117,7 +117,7 @@ def test_state_gradients_rng_and_batch_stats_equal_undecorated(reference):
 
 def three_kinds_plan(f, block, avals, ct_mask, spec, **kw):
     """A hand-made plan with every kind of segment: names saving two values, keep, and a
-    built-in policy (stands in for `jremat.plan_cache.plan_block`; nothing compiled)."""
+    built-in policy (stands in for `plan_block`; nothing compiled)."""
     n = block.num_nodes
     a, b = n // 3, 2 * n // 3
     outs = [o for node in block.nodes[:a] for o in node.outputs if block.values[o].is_float]

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import jremat
-from jremat.measure import compile_step, xla_flops
+from jremat._src.compile.xla import compile_step, xla_flops
 
 
 def _nbytes(tree) -> int:
@@ -123,7 +123,7 @@ def test_bad_runs_is_a_value_error(cache, runs):
 
 def test_measure_of_a_rematerialized_function(cache):
     """measure works on rematerialized functions: less temp, more FLOPs."""
-    from jremat.planning import recipe_plan
+    from jremat._src.plan.recipes import recipe_plan
 
     m = cache.model("mlp_chain")
     p = recipe_plan(jremat.trace(m.loss, *m.args), "nothing_saveable", "layers")

@@ -1,4 +1,4 @@
-"""Tests for jremat.microbatching.microbatch against plain jax.value_and_grad references."""
+"""Tests for jremat.microbatch against plain jax.value_and_grad references."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import optax
 import pytest
 
 from jremat import accumulation
-from jremat.microbatching import microbatch
+from jremat._src.training.microbatching import microbatch
 
 B, D_IN, D_H = 16, 8, 16
 

@@ -11,7 +11,8 @@ import pytest
 
 import jremat
 from jremat import mixing
-from jremat.planning import Program
+from jremat._src.compile.program import Program
+from jremat._src.trace.layers import layer_segments
 
 
 def _scan_program(reverse: bool):
@@ -56,7 +57,7 @@ def test_split_scan_survives_json():
 def test_layer_mix_has_exact_gradients():
     m = M.MODELS["mlp_chain"]()
     prog = Program(m.loss, m.args, 0)
-    n = len(jremat.planning.layer_segments(prog.graph))
+    n = len(layer_segments(prog.graph))
     plan = mixing.layer_mix_plan(prog.graph, ["nothing_saveable"] * 2 + ["keep"] * (n - 2))
     got = jax.grad(jremat.rematerialize(m.loss, plan))(*m.args)
     M.assert_trees_close(got, jax.grad(m.loss)(*m.args), rtol=1e-5)

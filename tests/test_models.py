@@ -18,7 +18,7 @@ import pytest
 
 import jremat
 from jremat import models
-from jremat.planners.candidates import layer_spans
+from jremat._src.trace.layers import layer_spans
 
 NEEDS = {
     "gpt2": "transformers",

@@ -15,12 +15,13 @@ import pytest
 
 import jremat
 from jremat import OffloadCost
-from jremat.budget import parse_budget
-from jremat.offload import host_offload_effective, parse_offload
-from jremat.plan import KEEP, SAVE_NAMES, Plan, Segment
-from jremat.planners import ChainPlanner, DTRPlanner, GreedyPlanner
-from jremat.planners.chain import within_budget
-from jremat.planning import Program, offload_proxy, solve
+from jremat._src.base.budget import parse_budget
+from jremat._src.compile.program import Program
+from jremat._src.plan.offload import host_offload_effective, offload_proxy, parse_offload
+from jremat._src.plan.plan import KEEP, SAVE_NAMES, Plan, Segment
+from jremat._src.plan.planners import ChainPlanner, DTRPlanner, GreedyPlanner
+from jremat._src.plan.planners.chain import within_budget
+from jremat._src.search.solve import solve
 
 #: transfers all but free: offloading beats any recompute (2e-3 FLOP-equivalents per byte)
 FAST = OffloadCost(host_bandwidth=1e15, device_flops=1e12)

@@ -1,7 +1,7 @@
 # Adapted from optax 0.2.8, file optax/transforms/_accumulation_test.py (as shipped in the
 # optax wheel), Copyright 2019 DeepMind Technologies Limited, licensed under the Apache
 # License, Version 2.0 (http://www.apache.org/licenses/LICENSE-2.0). Changes: the tests
-# run against ``jremat.accumulate`` / ``jremat.accumulation.has_updated`` instead of
+# run against ``jremat.accumulate`` / ``jremat.has_updated`` instead of
 # ``optax.MultiSteps``; private ``optax._src`` imports replaced by public optax names;
 # reformatted to this project's style (ruff, 4 spaces); the mixed-precision train step is
 # jitted (eager upstream) to fit this suite's CPU time; tests of other optax functions are
@@ -44,7 +44,7 @@ import numpy as np
 import optax
 from absl.testing import absltest, parameterized
 
-from jremat.accumulation import accumulate, has_updated
+from jremat._src.training.accumulation import accumulate, has_updated
 
 OPTIMIZERS_TO_TEST = [
     {"opt_name": "adam", "opt_kwargs": {"learning_rate": 0.1}},

@@ -11,8 +11,8 @@ import pytest
 from models import F32_RTOL, SOLVER, assert_trees_close, names_plan
 
 import jremat
-from jremat.plan import KEEP, Plan, Segment
-from jremat.planning import recipe_plan
+from jremat._src.plan.plan import KEEP, Plan, Segment
+from jremat._src.plan.recipes import recipe_plan
 
 #: compiled temp / unrematerialized temp that each auto test achieved (printed at the end of
 #: the session with `-s`, quoted in reports).

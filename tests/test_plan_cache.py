@@ -20,9 +20,10 @@ import pytest
 
 import jremat
 from jremat import budget as budget_module
-from jremat.plan_cache import PlanCache, disabled
-from jremat.planning import abstract_args
-from jremat.trace import build_graph
+from jremat._src.base.args import abstract_args
+from jremat._src.frontends.blocks import disabled
+from jremat._src.frontends.cache import PlanCache
+from jremat._src.trace.graph import build_graph
 
 
 class Block(nn.Module):
@@ -85,9 +86,9 @@ def _tiny_loss(w, x):
 
 _KEY_SCRIPT = """
 import jax, jax.numpy as jnp
-from jremat.plan_cache import PlanCache
-from jremat.planning import abstract_args
-from jremat.trace import build_graph
+from jremat._src.frontends.cache import PlanCache
+from jremat._src.search.solve import abstract_args
+from jremat._src.trace.graph import build_graph
 def _tiny_loss(w, x):
     return jnp.mean(jnp.tanh(x @ w) ** 2)
 args = abstract_args((jnp.ones((8, 8)), jnp.ones((4, 8))))

@@ -10,9 +10,10 @@ import numpy as np
 import pytest
 
 import jremat
-from jremat.budget import parse_budget
-from jremat.planners import PLANNERS
-from jremat.planning import Program, solve
+from jremat._src.base.budget import parse_budget
+from jremat._src.compile.program import Program
+from jremat._src.plan.planners import PLANNERS
+from jremat._src.search.solve import solve
 
 SOLVERS = ["chain", "greedy", "dtr", "milp", "auto"]
 MODELS = ["mlp_chain", "decoder", "scan", "cond", "custom_vjp", "dropout"]
@@ -168,7 +169,7 @@ def test_dtr_evicts_more_under_a_tighter_budget(programs):
 
 
 def _describable_plans(prog: Program, planner) -> list:
-    from jremat.planning import ANCHOR_RECIPES, recipe_plan
+    from jremat._src.plan.recipes import ANCHOR_RECIPES, recipe_plan
 
     plans = [jremat.Plan.identity(prog.graph), planner.min_memory_plan()]
     plans += [recipe_plan(prog.graph, policy, seg) for policy, seg in ANCHOR_RECIPES]

@@ -9,7 +9,8 @@ import pytest
 
 import jremat
 from jremat import refine
-from jremat.planning import Program, recipe_plan
+from jremat._src.compile.program import Program
+from jremat._src.plan.recipes import recipe_plan
 
 
 @pytest.fixture(scope="module")

@@ -26,8 +26,8 @@ from models import (
 )
 
 import jremat
-from jremat.plan import SAVE_NAMES, Plan
-from jremat.planning import recipe_plan
+from jremat._src.plan.plan import SAVE_NAMES, Plan
+from jremat._src.plan.recipes import recipe_plan
 
 #: model -> how to build its hand-made plan from the traced graph. Together these cover every
 #: kind of segment the rewrite supports: "nothing_saveable", "names" with and without saved

@@ -21,7 +21,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jremat
-from jremat.sharding import shard_args
+from jremat._src.base.sharding import shard_args
 
 pytestmark = pytest.mark.skipif(
     jax.device_count() < 8,

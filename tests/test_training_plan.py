@@ -9,7 +9,8 @@ import optax
 import pytest
 
 import jremat
-from jremat.training_plan import _measure, _value_and_grad
+from jremat._src.base.args import abstract_args
+from jremat._src.training.training_plan import _measure, _value_and_grad
 
 
 def _mlp(depth: int = 6, width: int = 16, batch: int = 128, mult: int = 4):
@@ -47,7 +48,7 @@ def test_fits_budget_the_plain_step_exceeds(mlp):
     loss, params, batch = mlp
     opt = optax.adam(1e-3)
     state = jax.eval_shape(opt.init, params)
-    args = jremat.planning.abstract_args((params, state, batch))
+    args = abstract_args((params, state, batch))
     plain_fp, _, _ = _measure(_value_and_grad(loss, 1, None), opt, args)
     budget = int(plain_fp * 0.7)
     tp = jremat.plan_training(loss, params, batch, budget=budget, optimizer=opt)

@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import numbers
+from collections.abc import Callable, Sequence
 from typing import Any
 
+import jax
 import numpy as np
+
+from jremat._src.base import compat as _compat
 
 
 def check_count(name: str, value: Any) -> int:
@@ -33,3 +37,78 @@ def check_flag(name: str, value: Any) -> bool:
             f"{name} must be a bool (True or False), got {type(value).__name__} {value!r}"
         )
     return bool(value)
+
+
+def abstract_args(args: Sequence[Any]) -> tuple[Any, ...]:
+    """Arguments as `jax.ShapeDtypeStruct`s (planning needs shapes and dtypes, and inside a
+    `shard_map` body the axes each varies over). Shardings are attached by
+    `jremat.sharding.shard_args`."""
+
+    def to_aval(x: Any) -> Any:
+        if isinstance(x, jax.ShapeDtypeStruct):
+            return x
+        if isinstance(x, (bool, int, float, complex)):  # a Python scalar traces weakly typed
+            return jax.ShapeDtypeStruct((), jax.numpy.asarray(x).dtype, weak_type=True)
+        if hasattr(x, "shape") and hasattr(x, "dtype"):
+            weak = bool(getattr(getattr(x, "aval", x), "weak_type", False))
+            # inside a shard_map body: which mesh axes the value varies over is part of its
+            # type, and of the program it traces to
+            manual = _compat.manual_axis_type(x) if _compat.is_tracer(x) else None
+            if manual is not None:
+                sharding = jax.typeof(x).sharding  # over the body's (Manual) abstract mesh
+                return _compat.shape_dtype(x, manual=manual, weak_type=weak, sharding=sharding)
+            return jax.ShapeDtypeStruct(x.shape, x.dtype, weak_type=weak)
+        return x
+
+    return tuple(jax.tree_util.tree_map(to_aval, a) for a in args)
+
+
+def normalize_argnums(argnums: int | Sequence[int], nargs: int) -> tuple[int, ...]:
+    """Validate `argnums` (an int or a non-empty sequence of distinct ints, as in `jax.grad`)
+    against the number of positional arguments; returns non-negative positions."""
+    import operator
+
+    items = argnums if isinstance(argnums, (tuple, list)) else (argnums,)
+    try:
+        if not items or any(isinstance(a, bool) for a in items):
+            raise TypeError
+        nums = tuple(operator.index(a) for a in items)
+    except TypeError:
+        raise TypeError(
+            f"argnums must be an int or a non-empty tuple of ints, got {argnums!r}"
+        ) from None
+    for a in nums:
+        if not -nargs <= a < nargs:
+            raise ValueError(
+                f"argnums={argnums!r} is out of range for a function called with {nargs} "
+                "positional argument(s)"
+            )
+    out = tuple(a % nargs for a in nums)
+    if len(set(out)) != len(out):
+        raise ValueError(f"argnums={argnums!r} names an argument twice")
+    return out
+
+
+def _check_differentiable(args: Sequence[Any], argnums: tuple[int, ...]) -> None:
+    for a in argnums:
+        leaves = jax.tree_util.tree_leaves(args[a])
+        if not any(_compat.is_float_dtype(getattr(x, "dtype", None)) for x in leaves):
+            kinds = sorted({str(getattr(x, "dtype", type(x).__name__)) for x in leaves}) or ["none"]
+            raise TypeError(
+                f"argument {a} (argnums) has no floating-point leaves to differentiate "
+                f"(found: {', '.join(kinds)}). Pass the parameters as argument {a}, or set "
+                "argnums to the position of a float array or pytree of float arrays."
+            )
+
+
+def _check_scalar_output(fn: Callable[..., Any], args: Sequence[Any]) -> None:
+    out = jax.eval_shape(fn, *args)
+    leaves = jax.tree_util.tree_leaves(out)
+    ok = len(leaves) == 1 and leaves[0].shape == () and _compat.is_float_dtype(leaves[0].dtype)
+    if not ok:
+        shapes = [f"{x.dtype}{list(x.shape)}" for x in leaves]
+        raise TypeError(
+            "jremat needs fn to return a scalar floating-point loss (it compiles "
+            f"jax.value_and_grad(fn)); fn returned {shapes or 'no arrays'}. Reduce the output "
+            "(for example with .mean()) or wrap fn in a loss."
+        )

@@ -24,13 +24,13 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from ._args import check_count, check_flag
-from .budget import parse_budget
-from .plan_cache import PlanCache
-from .planning import check_solver
-from .rewrite import rematerialize
-from .sharding import check_in_shardings, check_known, check_mesh, shard_args
-from .trace import build_graph, signature
+from jremat._src.base.args import check_count, check_flag
+from jremat._src.base.budget import parse_budget
+from jremat._src.base.sharding import check_in_shardings, check_known, check_mesh, shard_args
+from jremat._src.frontends.cache import PlanCache
+from jremat._src.plan.rewrite import rematerialize
+from jremat._src.search.solve import check_solver
+from jremat._src.trace.graph import build_graph, signature
 
 
 def auto(
@@ -167,11 +167,11 @@ def auto(
         offload=offload,
     )
     if kind == "linen_class":
-        from .flax_linen import auto_linen_class
+        from jremat._src.frontends.flax_linen import auto_linen_class
 
         return auto_linen_class(fn, options)
     if kind == "nnx_class":
-        from .flax_nnx import auto_nnx_class
+        from jremat._src.frontends.flax_nnx import auto_nnx_class
 
         return auto_nnx_class(fn, options)
     return _auto_function(fn, options)
@@ -182,14 +182,14 @@ def _target_kind(target: Any) -> str:
     linen = sys.modules.get("flax.linen")
     nnx = sys.modules.get("flax.nnx")
     if linen is not None:
-        from .flax_linen import AutoTargetError, is_module, is_module_class
+        from jremat._src.frontends.flax_linen import AutoTargetError, is_module, is_module_class
 
         if is_module_class(target):
             return "linen_class"
         if is_module(target):
             raise AutoTargetError(target)
     if nnx is not None:
-        from .flax_nnx import is_module, is_module_class
+        from jremat._src.frontends.flax_nnx import is_module, is_module_class
 
         if is_module_class(target):
             return "nnx_class"
@@ -225,11 +225,11 @@ def _auto_function(fn: Callable[..., Any], options: dict[str, Any]) -> Callable[
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         linen = sys.modules.get("flax.linen")
         if linen is not None and args and isinstance(args[0], linen.Module):
-            from .flax_linen import linen_method_call
+            from jremat._src.frontends.flax_linen import linen_method_call
 
             return linen_method_call(fn, options, flax_state)(*args, **kwargs)
         if sys.modules.get("flax.nnx") is not None:
-            from .flax_nnx import has_graph_node, make_caller
+            from jremat._src.frontends.flax_nnx import has_graph_node, make_caller
 
             if has_graph_node((args, kwargs)):
                 if "nnx" not in flax_state:

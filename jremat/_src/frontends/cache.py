@@ -39,53 +39,26 @@ whole-block plan that keeps only its inputs (the least kept bytes; `nn.remat`'s 
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
-import copy
 import hashlib
 import json
 import os
 import tempfile
 import threading
 import warnings
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
-from . import _compat
-from .budget import Budget, parse_budget
-from .measure import compile_step, scan_flops_correction, xla_flops
-from .plan import KEEP, SAVE_NAMES, Plan, Segment
-from .planning import Compiled, Program, abstract_args, check_solver, plan, solve
-from .rewrite import run_graph
-from .sharding import sharding_key
-from .trace import Graph, build_graph, is_literal
-
-_DISABLED: contextvars.ContextVar[bool] = contextvars.ContextVar("jremat_disabled", default=False)
-
-#: Whole-block plans compiled as anchors next to the planner's (policy of the one segment).
-BLOCK_ANCHORS = (SAVE_NAMES, "dots_saveable", "dots_with_no_batch_dims_saveable")
-
-
-@contextlib.contextmanager
-def disabled() -> Iterator[None]:
-    """Within this context, `jremat.auto`-decorated Flax modules run without rematerialization
-    and without planning (their code is traced and evaluated as is). `jremat.explain` uses it
-    to analyse a model as written; use it to measure a model with and without the decorator."""
-    token = _DISABLED.set(True)
-    try:
-        yield
-    finally:
-        _DISABLED.reset(token)
-
-
-def is_disabled() -> bool:
-    """Whether a `disabled()` context is active."""
-    return _DISABLED.get()
+from jremat._src.base.args import abstract_args
+from jremat._src.base.budget import parse_budget
+from jremat._src.base.sharding import sharding_key
+from jremat._src.frontends.blocks import plan_block
+from jremat._src.plan.plan import Plan
+from jremat._src.search.solve import check_solver, plan
+from jremat._src.trace.graph import Graph, is_literal
 
 
 class PlanCache:
@@ -127,8 +100,8 @@ class PlanCache:
         plan_dir: str | os.PathLike | None = None,
         offload: Any = None,
     ):
-        from ._args import check_count, check_flag
-        from .offload import parse_offload
+        from jremat._src.base.args import check_count, check_flag
+        from jremat._src.plan.offload import parse_offload
 
         parse_budget(budget)
         self.offload = parse_offload(offload)
@@ -295,284 +268,3 @@ def wiring_hash(graph: Graph) -> str:
     return h.hexdigest()[:16]
 
 
-# -- a traced block as a function of arrays --------------------------------------------------
-def eval_jaxpr(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any]) -> list[Any]:
-    """Evaluate an open jaxpr equation by equation (`_compat.bind`); returns the flat outputs."""
-    env: dict[Any, Any] = {}
-
-    def read(v: Any) -> Any:
-        return v.val if hasattr(v, "val") else env[v]
-
-    for var, x in zip(jaxpr.constvars, consts, strict=True):
-        env[var] = x
-    for var, x in zip(jaxpr.invars, args, strict=True):
-        env[var] = x
-    for eqn in jaxpr.eqns:
-        with _source_of(eqn):
-            outs = _compat.bind(eqn, [read(v) for v in eqn.invars])
-        for var, val in zip(eqn.outvars, outs, strict=True):
-            env[var] = val
-    return [read(v) for v in jaxpr.outvars]
-
-
-def _source_of(eqn: Any) -> contextlib.AbstractContextManager:
-    """Re-emit `eqn` with its own traceback and name stack (appended to the current one), so
-    the re-evaluated program keeps the user's source lines and layer names (for plan
-    summaries, `jremat.explain`, and the planner's layer detection)."""
-    try:
-        from jax._src import source_info_util as siu
-
-        info = eqn.source_info
-        stack = siu.current_name_stack() + info.name_stack
-        return siu.user_context(info.traceback, name_stack=stack)
-    except Exception:  # noqa: BLE001 - source info is best effort across jax versions
-        return contextlib.nullcontext()
-
-
-def _is_diff(x: Any) -> bool:
-    return _compat.is_float_dtype(getattr(x, "dtype", None))
-
-
-def _size(x: Any) -> int:
-    return int(np.prod(np.shape(x), dtype=np.int64))
-
-
-def block_fn(
-    closed_jaxpr: Any, flat_args: Sequence[Any]
-) -> tuple[Callable[..., Any], tuple[tuple[Any, ...], tuple[Any, ...]]]:
-    """A traced block as the pure function `f(diff, rest) -> flat outputs`, and its arguments.
-
-    `diff` holds the floating-point arguments (differentiated when planning), `rest` the
-    others followed by the jaxpr's captured constants. At run time gradients flow to every
-    argument and constant alike; the split only tells the planner what a training step
-    differentiates.
-    """
-    jaxpr, consts = _compat.closed(closed_jaxpr)
-    all_in = list(flat_args) + list(consts)
-    diff_idx = [i for i, x in enumerate(flat_args) if _is_diff(x)]
-    diff_set = set(diff_idx)
-    rest_idx = [i for i in range(len(all_in)) if i not in diff_set]
-    n_args = len(flat_args)
-
-    def f(diff: tuple[Any, ...], rest: tuple[Any, ...]) -> list[Any]:
-        vals: list[Any] = [None] * len(all_in)
-        for i, x in zip(diff_idx, diff, strict=True):
-            vals[i] = x
-        for i, x in zip(rest_idx, rest, strict=True):
-            vals[i] = x
-        return eval_jaxpr(jaxpr, vals[n_args:], vals[:n_args])
-
-    diff = tuple(all_in[i] for i in diff_idx)
-    rest = tuple(all_in[i] for i in rest_idx)
-    return f, (diff, rest)
-
-
-def _pairing(outs: Sequence[Any], ct_mask: Sequence[bool], salt: int = 0) -> Any:
-    """`sum_i <outs[i], t_i>` over the float outputs `ct_mask` selects, with fixed tangents
-    `t_i = sin(0.7548777 * iota + i + salt)` (built in the graph, not a foldable constant)."""
-    total = None
-    for i, (o, use) in enumerate(zip(outs, ct_mask, strict=True)):
-        if not use or not _is_diff(o) or _size(o) == 0:
-            continue
-        t = jnp.sin(jax.lax.iota(jnp.float32, o.size) * 0.7548777 + float(i + salt))
-        term = jnp.sum(o.astype(jnp.float32) * t.reshape(o.shape))
-        total = term if total is None else total + term
-    return total
-
-
-def surrogate_loss(fn: Callable[..., Any], ct_mask: Sequence[bool]) -> Callable[..., Any]:
-    """The scalar loss a block is planned through: `fn`'s equations, then `_pairing`."""
-
-    def loss(*args: Any) -> Any:
-        return _pairing(fn(*args), ct_mask)
-
-    return loss
-
-
-def has_cotangent(outs: Sequence[Any], ct_mask: Sequence[bool]) -> bool:
-    """Whether any output selected by `ct_mask` is a non-empty float array."""
-    return any(use and _is_diff(o) and _size(o) > 0 for o, use in zip(outs, ct_mask, strict=True))
-
-
-# -- planning a block ------------------------------------------------------------------------
-class BlockProgram(Program):
-    """A block at one signature, planned by its compiled *kept bytes* (module docstring, 2).
-
-    `compile(plan)` reports, as `temp_bytes`, the temp bytes the block under `plan` adds to a
-    step in which an unrematerialized copy of it runs after it; `flops` are that step's
-    compiled FLOPs (the copy's are the same for every plan); `fixed_bytes` is 0, so a byte
-    budget caps the kept bytes. Plans are compiled with `prevent_cse=True` whatever the block
-    runs with: this program is unrolled, and without the barrier XLA would merge the recompute
-    into the forward pass (DESIGN 1.4), while inside a scan body the loop boundary does that.
-    """
-
-    def __init__(
-        self,
-        f: Callable[..., Any],
-        block: Graph,
-        args: Sequence[Any],
-        ct_mask: Sequence[bool],
-    ):
-        super().__init__(surrogate_loss(f, ct_mask), args, 0)
-        self.block_fn, self.block, self.ct_mask = f, block, list(ct_mask)
-        self._alone: int | None = None
-        _block_plan(copy.deepcopy(Plan.identity(self.graph)), block, self.graph)  # invariant
-
-    def _two_copies(self, p: Plan | None) -> Callable[..., Any]:
-        f, block, mask = self.block_fn, self.block, self.ct_mask
-        bp = None if p is None else _block_plan(copy.deepcopy(p), block, self.graph)
-
-        def step(diff, rest):
-            if bp is None or bp.is_identity:
-                first = f(diff, rest)
-            else:
-                first = run_graph(block, bp, [*diff, *rest], prevent_cse=True)
-            floats = [o.reshape(-1)[0].astype(jnp.float32) for o in first if _is_diff(o)]
-            floats = [o for o in floats if o.size]
-            tie = sum(floats) * 0.0 if floats else jnp.float32(0.0)
-            second = f(tuple(d + tie.astype(d.dtype) for d in diff), rest)
-            return _pairing(first, mask) + _pairing(second, mask, salt=len(mask))
-
-        return step
-
-    def compile(self, plan: Plan | None) -> Compiled:
-        if self._alone is None:
-            exe = compile_step(self.fn, self.args, self.nums)
-            self._alone = int(exe.memory_analysis().temp_size_in_bytes)
-        step = self._two_copies(plan)
-        exe = compile_step(step, self.args, self.nums)
-        flops = xla_flops(exe)
-        if self.has_scan:
-            flops += scan_flops_correction(step, self.args, self.nums)
-        kept = int(exe.memory_analysis().temp_size_in_bytes) - self._alone
-        return Compiled(temp_bytes=max(kept, 0), flops=flops, fixed_bytes=0)
-
-    def anchors(self, planner) -> list[tuple[Plan, Compiled]]:
-        """The planner's min-memory plan, then the whole block under one checkpoint with each
-        policy of `BLOCK_ANCHORS` (`dots_with_no_batch_dims_saveable` only when some matmul
-        has batch dimensions, otherwise it equals `dots_saveable`; per-layer recipes inside a
-        block keep more than the whole block and recompute as much, so they are not compiled)."""
-        if planner.name not in self._anchors:
-            policies = list(BLOCK_ANCHORS)
-            if not _has_batched_dot(self.block):  # then it saves what dots_saveable saves
-                policies.remove("dots_with_no_batch_dims_saveable")
-            plans = [planner.min_memory_plan()] + [
-                whole_block_plan(self.graph, self.block.num_nodes, pol) for pol in policies
-            ]
-            self._anchors[planner.name] = [(p, self.compile(p)) for p in plans]
-        return [(copy.deepcopy(p), c) for p, c in self._anchors[planner.name]]
-
-
-def _has_batched_dot(graph: Graph) -> bool:
-    """Whether a top-level `dot_general` of `graph` has batch dimensions (attention does)."""
-    return any(
-        n.primitive == "dot_general" and n.eqn.params["dimension_numbers"][1][0]
-        for n in graph.nodes
-    )
-
-
-def whole_block_plan(graph: Graph, n: int, policy: str = SAVE_NAMES) -> Plan:
-    """Nodes `[0, n)` under one checkpoint with `policy` (`"names"` with nothing named saves
-    only the inputs, as `nn.remat` does); the rest of `graph` kept."""
-    segs = [Segment(0, n, policy)]
-    if n < graph.num_nodes:
-        segs.append(Segment(n, graph.num_nodes, KEEP))
-    return Plan(segs, graph.fingerprint, graph.num_nodes, solver=f"whole-block/{policy}").annotate(
-        graph
-    )
-
-
-def plan_block(
-    f: Callable[..., Any],
-    block: Graph,
-    args: Sequence[Any],
-    ct_mask: Sequence[bool],
-    spec: Budget,
-    *,
-    verify: bool = True,
-    max_rounds: int = 4,
-    **solve_kw: Any,
-) -> Plan:
-    """Plan a block `f(diff, rest)` (from `block_fn`) under a kept-bytes budget.
-
-    Returns a plan for `block` (the graph of `f`). Raises `InfeasibleBudgetError` as
-    `jremat.plan` does, its figures being kept bytes.
-    """
-    if not verify:
-        if spec.fraction is not None and spec.fraction >= 1:
-            p = Plan.identity(block, budget=spec.raw)
-        else:
-            p = whole_block_plan(block, block.num_nodes)
-            p.budget = spec.raw
-        p.notes.append("verify=False: a block below budget 1 keeps only its inputs")
-        return p
-    prog = BlockProgram(f, block, args, ct_mask)
-    p = solve(prog, spec, verify=True, max_rounds=max_rounds, **solve_kw)
-    p = _block_plan(p, block, prog.graph)
-    if p.measured_temp_bytes is not None:  # the calibrated model figure is not kept bytes
-        p.predicted_temp_bytes = p.measured_temp_bytes
-    p.notes.append(
-        "block plan: measured_temp_bytes and baseline_temp_bytes are the block's kept bytes "
-        "(temp it adds ahead of an unrematerialized copy of itself), see jremat.plan_cache"
-    )
-    return p
-
-
-def _block_plan(p: Plan, block: Graph, planned: Graph) -> Plan:
-    """Map a plan of the surrogate loss (`planned`) onto the block's own graph (`block`).
-
-    The surrogate's first `block.num_nodes` equations are the block's with the same value ids;
-    segments beyond them (the tangent and the reduction) are dropped and the one crossing the
-    boundary is cut there.
-    """
-    n = block.num_nodes
-    same = planned.num_nodes >= n and all(
-        a.primitive == b.primitive and a.outputs == b.outputs
-        for a, b in zip(block.nodes, planned.nodes[:n], strict=False)
-    )
-    if not same:  # pragma: no cover - guarded invariant of `surrogate_loss`
-        raise AssertionError(
-            "jremat internal error: the surrogate loss does not start with the block's "
-            "equations; please report this with the block's code"
-        )
-    if p.fingerprint == block.fingerprint and p.num_nodes == n:
-        return p
-    segments = []
-    for s in p.segments:
-        if s.start >= n:
-            break
-        s.end = min(s.end, n)
-        s.saved = [v for v in s.saved if v < len(block.values) and block.values[v].producer < n]
-        s.offloaded = [
-            v for v in s.offloaded if v < len(block.values) and block.values[v].producer < n
-        ]
-        segments.append(s)
-    p.segments = segments
-    p.fingerprint, p.num_nodes = block.fingerprint, n
-    p.validate()
-    return p.annotate(block)
-
-
-# -- evaluation ------------------------------------------------------------------------------
-def run_block(
-    closed_jaxpr: Any,
-    flat_args: Sequence[Any],
-    out_avals: Sequence[Any],
-    ct_mask: Sequence[bool],
-    cache: PlanCache,
-    *,
-    prevent_cse: bool = True,
-    plan_it: bool = True,
-) -> list[Any]:
-    """Evaluate a traced block on `flat_args` under the plan for its signature.
-
-    Evaluates it unchanged (no planning) when `plan_it` is False (Flax's `init`), inside
-    `disabled()`, or when the block has no float argument or no float output to differentiate.
-    """
-    jaxpr, consts = _compat.closed(closed_jaxpr)
-    f, (diff, rest) = block_fn(closed_jaxpr, flat_args)
-    if not plan_it or is_disabled() or not diff or not has_cotangent(out_avals, ct_mask):
-        return eval_jaxpr(jaxpr, consts, flat_args)
-    graph = build_graph(f, (diff, rest))
-    p = cache.get(graph, f, (diff, rest), ct_mask=ct_mask)
-    return run_graph(graph, p, [*diff, *rest], prevent_cse=prevent_cse)

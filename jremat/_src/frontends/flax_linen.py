@@ -26,7 +26,8 @@ from flax import linen as nn
 from flax.core import lift
 from flax.linen import transforms as nn_transforms
 
-from .plan_cache import PlanCache, run_block
+from jremat._src.frontends.blocks import run_block
+from jremat._src.frontends.cache import PlanCache
 
 
 class AutoTargetError(TypeError, flax_errors.TransformTargetError):

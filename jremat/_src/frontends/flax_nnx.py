@@ -31,14 +31,15 @@ import numpy as np
 from flax import nnx
 from flax.nnx import graph as nnx_graph
 
-from .flax_linen import (
+from jremat._src.frontends.blocks import run_block
+from jremat._src.frontends.cache import PlanCache
+from jremat._src.frontends.flax_linen import (
     _param_names,
     merge_static,
     method_names,
     resolve_static,
     split_static,
 )
-from .plan_cache import PlanCache, run_block
 
 
 def is_module_class(target: Any) -> bool:

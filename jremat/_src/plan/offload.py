@@ -44,6 +44,7 @@ the compiled estimate of the offload plan's device memory, not a confirmation of
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import functools
 import math
@@ -52,6 +53,8 @@ from typing import Any
 
 import jax
 import numpy as np
+
+from jremat._src.plan.plan import Plan
 
 #: `offload_dst` of jremat's offload policies.
 HOST_MEMORY = "pinned_host"
@@ -189,3 +192,19 @@ def host_offload_effective() -> bool:
     True when the lowered program places the offloaded value in host memory (GPU, TPU), False
     where the offload compiles to a no-op (CPU). Cached per backend."""
     return _effective(jax.default_backend())
+
+
+def _offloads(p: Plan | None) -> bool:
+    return p is not None and any(s.offloaded for s in p.segments)
+
+
+def offload_proxy(p: Plan) -> Plan:
+    """`p` with every offloaded value recomputed instead (no longer named): on a backend
+    with pinned host memory, the device holds offloaded values as it holds recomputed ones,
+    so this plan's compiled temp bytes estimate `p`'s device memory where the offload
+    itself compiles to a no-op (CPU; see `jremat.offload`)."""
+    q = copy.deepcopy(p)
+    for s in q.segments:
+        s.offloaded = []
+    q.offloaded_bytes = 0
+    return q

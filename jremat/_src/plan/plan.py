@@ -8,7 +8,7 @@ import numbers
 import os
 from typing import Any
 
-from .trace import Graph
+from jremat._src.trace.graph import Graph
 
 #: `Segment.policy` value for a segment that is not checkpointed (keeps all its residuals).
 KEEP = "keep"
@@ -291,7 +291,7 @@ def _check_segment_fields(i: int, s: Any) -> None:
 def _validate_scans(scans: Any, num_nodes: int) -> None:
     """Check `Plan.scans`: keys are node indices (strings), values a policy with a nest >= 1,
     or pieces with positive lengths; raise ValueError naming the entry otherwise."""
-    from . import policies
+    from jremat import policies
 
     known = {*policies.names(), *policies.preset_names(), KEEP}
     if not isinstance(scans, dict):
@@ -326,3 +326,15 @@ def _check_scan_policy(where: str, cfg: dict, known: set) -> None:
     nest = cfg.get("nest", 1)
     if not isinstance(nest, int) or isinstance(nest, bool) or nest < 1:
         raise ValueError(f"{where}: nest must be an int >= 1, got {nest!r}")
+
+
+def _key(p: Plan | None) -> str:
+    """What decides the rewritten program: segments with their saves, and scan settings."""
+    if p is None or p.is_identity:
+        return "unchanged"
+    segs = ";".join(
+        f"{s.start}:{s.end}:{s.policy}:{','.join(map(str, s.saved))}"
+        + (f">{','.join(map(str, s.offloaded))}" if s.offloaded else "")
+        for s in p.segments
+    )
+    return f"{segs}|{json.dumps(p.scans, sort_keys=True)}"

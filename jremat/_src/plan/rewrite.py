@@ -9,10 +9,10 @@ from typing import Any
 import jax
 from jax.ad_checkpoint import checkpoint_name
 
-from . import _compat
-from .errors import PlanMismatchError
-from .plan import KEEP, SAVE_NAMES, Plan, Segment
-from .trace import Graph, build_graph, is_literal, signature
+from jremat._src.base import compat as _compat
+from jremat._src.base.errors import PlanMismatchError
+from jremat._src.plan.plan import KEEP, SAVE_NAMES, Plan, Segment
+from jremat._src.trace.graph import Graph, build_graph, is_literal, signature
 
 
 def residual_name(vid: int) -> str:
@@ -76,7 +76,7 @@ def remat_scan(
         return _compat.bind(eqn, invals)
     from jax.extend.core import ClosedJaxpr, jaxpr_as_fun
 
-    from . import policies
+    from jremat import policies
 
     body = eqn.params["jaxpr"]
     if not hasattr(body, "consts"):
@@ -193,14 +193,14 @@ def segment_policy(seg: Segment) -> Callable[..., Any]:
     `save_only_these_names` of its saved values, or, when it offloads values,
     `save_and_offload_only_these_names` (offloaded ones to pinned host memory)."""
     if seg.policy == SAVE_NAMES and seg.offloaded:
-        from .offload import offload_policy
+        from jremat._src.plan.offload import offload_policy
 
         return offload_policy(
             [residual_name(v) for v in seg.saved], [residual_name(v) for v in seg.offloaded]
         )
     if seg.policy == SAVE_NAMES:
         return jax.checkpoint_policies.save_only_these_names(*map(residual_name, seg.saved))
-    from . import policies
+    from jremat import policies
 
     if seg.policy in policies.names():
         return policies.get(seg.policy)

@@ -22,13 +22,16 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from . import policies as _policies
-from .budget import Budget, parse_budget
-from .errors import InfeasibleBudgetError
-from .measure import median_step_seconds
-from .pareto import pareto_front
-from .plan import Plan
-from .planning import SOLVERS, Program, recipe_plan, solve
+from jremat import policies as _policies
+from jremat._src.base.budget import Budget, parse_budget
+from jremat._src.base.errors import InfeasibleBudgetError
+from jremat._src.compile.program import Program
+from jremat._src.plan.plan import Plan
+from jremat._src.plan.recipes import recipe_plan
+from jremat._src.reports.measure import median_step_seconds
+from jremat._src.reports.pareto import pareto_front
+from jremat._src.reports.units import memory_unit
+from jremat._src.search.solve import SOLVERS, solve
 
 #: JAX built-in policies applied per layer (the layers found from the jaxpr's name stack).
 BUILTIN_PER_LAYER = ("nothing_saveable", "dots_saveable", "dots_with_no_batch_dims_saveable")
@@ -289,18 +292,9 @@ class Comparison:
           ImportError: matplotlib is not installed (`pip install "jremat[plot]"`).
           ValueError: no row was compiled, so there is nothing to plot.
         """
-        from .pareto import plot_comparison
+        from jremat._src.reports.plot import plot_comparison
 
         return plot_comparison(self, path=path, title=title, dpi=dpi)
-
-
-def memory_unit(nbytes: float) -> tuple[str, float]:
-    """("KiB"|"MiB"|"GiB", bytes per unit) to print `nbytes`-sized figures readably."""
-    if nbytes >= 2**30:
-        return "GiB", 2.0**30
-    if nbytes >= 2**20:
-        return "MiB", 2.0**20
-    return "KiB", 2.0**10
 
 
 def _fmt(x: float | None, spec: str) -> str:

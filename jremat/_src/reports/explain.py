@@ -27,13 +27,15 @@ from typing import Any
 
 import jax
 
-from . import _compat
-from .plan import KEEP, SAVE_NAMES, Plan
-from .plan_cache import _pairing, disabled
-from .planners.candidates import layer_keys, layer_spans
-from .planning import abstract_args, layer_segments, plan
-from .rewrite import segment_io
-from .trace import Graph, build_graph, trace
+from jremat._src.base import compat as _compat
+from jremat._src.base.args import abstract_args
+from jremat._src.compile.blocks import _pairing
+from jremat._src.frontends.blocks import disabled
+from jremat._src.plan.plan import KEEP, SAVE_NAMES, Plan
+from jremat._src.plan.rewrite import segment_io
+from jremat._src.search.solve import plan
+from jremat._src.trace.graph import Graph, build_graph, trace
+from jremat._src.trace.layers import layer_keys, layer_segments, layer_spans
 
 MIB = 2.0**20
 
@@ -266,7 +268,7 @@ def _as_loss(target, args, argnums, method, rngs, mutable, kwargs):
         fargs = (variables.get("params", {}), other, *inputs)
         return _scalar_or_pairing(apply, fargs)
     if nnx is not None:
-        from .flax_nnx import has_graph_node
+        from jremat._src.frontends.flax_nnx import has_graph_node
 
         if isinstance(target, nnx.Module):
             return _nnx_loss(lambda m, *a, **k: m(*a, **k), (target, *args), kwargs, nnx)
@@ -355,7 +357,8 @@ def _user_source(node: Any) -> str:
     return node.source
 
 
-_JREMAT_DIR = os.path.dirname(os.path.abspath(__file__))
+# library frames (jremat itself) are skipped when looking for the user's source line
+_JREMAT_DIR = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def explain_plan(graph: Graph, p: Plan, model_nodes: int | None = None) -> list[ExplainRow]:

@@ -10,8 +10,15 @@ from typing import Any
 
 import jax
 
-from . import _compat, sharding
-from .trace import normalize_argnums
+from jremat._src.base import sharding
+from jremat._src.base.args import _check_scalar_output, normalize_argnums
+from jremat._src.compile.xla import (
+    _num_devices,
+    compile_step,
+    mesh_size,
+    scan_flops_correction,
+    xla_flops,
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,59 +45,6 @@ class Measurement:
     output_bytes: int = 0
     alias_bytes: int = 0
     num_devices: int = 1
-
-
-def _check_scalar_output(fn: Callable[..., Any], args: Sequence[Any]) -> None:
-    out = jax.eval_shape(fn, *args)
-    leaves = jax.tree_util.tree_leaves(out)
-    ok = len(leaves) == 1 and leaves[0].shape == () and _compat.is_float_dtype(leaves[0].dtype)
-    if not ok:
-        shapes = [f"{x.dtype}{list(x.shape)}" for x in leaves]
-        raise TypeError(
-            "jremat needs fn to return a scalar floating-point loss (it compiles "
-            f"jax.value_and_grad(fn)); fn returned {shapes or 'no arrays'}. Reduce the output "
-            "(for example with .mean()) or wrap fn in a loss."
-        )
-
-
-def compile_step(fn: Callable[..., Any], args: Sequence[Any], argnums: tuple[int, ...]) -> Any:
-    """Lower and compile `jit(value_and_grad(fn, argnums))` for `args` (arrays or avals, whose
-    shardings it compiles under: `memory_analysis()` is then per device)."""
-    nums = argnums[0] if len(argnums) == 1 else argnums
-    return jax.jit(jax.value_and_grad(fn, argnums=nums)).lower(*args).compile()
-
-
-def compile_figures(
-    fn: Callable[..., Any],
-    args: Sequence[Any],
-    argnums: tuple[int, ...],
-    *,
-    manual_axes: dict[str, int] | None = None,
-    scan_flops: bool = True,
-) -> tuple[Any, float]:
-    """`compile_step` and its FLOPs (scan bodies counted once per trip, when `scan_flops`).
-
-    With `manual_axes` ({name: size}, `jremat.sharding.manual_axes()` inside a `shard_map`
-    body) the per-device program is compiled in a helper thread, outside the body's trace,
-    under a `shard_map` over a mesh of the same axes (`jremat.sharding.bind_axes`); its
-    memory figures are those of one device.
-    """
-
-    def run(f: Callable[..., Any], a: Sequence[Any], spmd: bool) -> tuple[Any, float]:
-        exe = compile_step(f, a, argnums)
-        flops = xla_flops(exe)
-        if scan_flops:
-            extra = scan_flops_correction(f, a, argnums)
-            # under sharded jit the bodies are costed on global shapes: a device's share is
-            # 1/devices of them (data and tensor parallelism split a body's work evenly);
-            # a shard_map body's scans already have per-device shapes
-            flops += extra / _num_devices(exe) if spmd else extra
-        return exe, flops
-
-    if not manual_axes:
-        return run(fn, args, True)
-    g, global_args = sharding.bind_axes(fn, manual_axes, args)
-    return sharding.outside_trace(lambda: run(g, global_args, False))
 
 
 def measure(
@@ -130,7 +84,7 @@ def measure(
         arguments, naming an axis its mesh lacks, or naming a mesh larger than the devices
         (see `jremat.sharding.shard_args`).
     """
-    from .trace import _check_differentiable
+    from jremat._src.base.args import _check_differentiable
 
     nums = normalize_argnums(argnums, len(args))
     if not isinstance(runs, int) or isinstance(runs, bool) or runs < 0:
@@ -174,12 +128,6 @@ def measure(
     )
 
 
-def mesh_size(avals: Sequence[Any]) -> int:
-    """Devices of the mesh the arguments are sharded over (1 when none is)."""
-    m = sharding.arg_mesh(jax.tree_util.tree_leaves(avals))
-    return 1 if m is None else int(m.size)
-
-
 def median_step_seconds(executable: Any, args: Sequence[Any], runs: int) -> float:
     """Median wall seconds of `runs` executions of a compiled step (results awaited)."""
     times = []
@@ -190,68 +138,3 @@ def median_step_seconds(executable: Any, args: Sequence[Any], runs: int) -> floa
     return statistics.median(times)
 
 
-def xla_flops(compiled: Any) -> float:
-    """`cost_analysis()["flops"]` of a compiled executable (0 when the backend reports none)."""
-    cost = compiled.cost_analysis()
-    if isinstance(cost, (list, tuple)):
-        cost = cost[0] if cost else {}
-    return float((cost or {}).get("flops", 0.0))
-
-
-def scan_flops_correction(fn: Callable[..., Any], args: Sequence[Any], nums: tuple[int, ...]):
-    """FLOPs XLA's count misses because it counts each scan body once, not once per trip.
-
-    Each scan body in the differentiated program is compiled on its own and its FLOPs are
-    added (length - 1) more times (nested scans recursively). `while` loops have no static
-    trip count and stay counted once.
-    """
-    nums_arg = nums[0] if len(nums) == 1 else nums
-    closed_jaxpr = jax.make_jaxpr(jax.value_and_grad(fn, argnums=nums_arg))(*args)
-    cache: dict[int, float] = {}
-    return _correction(_compat.closed(closed_jaxpr)[0], cache)
-
-
-def _correction(jaxpr: Any, cache: dict[int, float]) -> float:
-    total = 0.0
-    for eqn in jaxpr.eqns:
-        for sub in _compat.subjaxprs(eqn):
-            inner = _correction(sub, cache)
-            if eqn.primitive.name == "scan":
-                length = _compat.scan_length(eqn)
-                total += (length - 1) * _body_flops(eqn.params["jaxpr"], cache) + length * inner
-            else:
-                total += inner
-    return total
-
-
-def _num_devices(executable: Any) -> int:
-    """How many devices a compiled SPMD step runs on (1 when it cannot be read)."""
-    try:
-        leaves = jax.tree_util.tree_leaves(executable.input_shardings)
-        return max(len(leaves[0].device_set), 1) if leaves else 1
-    except Exception:  # noqa: BLE001 - an executable without shardings: one device
-        return 1
-
-
-def _body_flops(body: Any, cache: dict[int, float]) -> float:
-    key = id(body)
-    if key not in cache:
-        try:
-            cache[key] = _compiled_body_flops(body)
-        except Exception:  # noqa: BLE001 - e.g. a body with collectives over a shard_map's axes
-            # cannot compile on its own: count it with jremat's own FLOP table instead
-            from . import cost_model
-
-            cache[key] = cost_model.jaxpr_flops(_compat.closed(body)[0])
-    return cache[key]
-
-
-def _compiled_body_flops(body: Any) -> float:
-    """XLA's FLOPs of one scan body compiled on its own."""
-    import jax.extend.core as jc
-    from jax.extend.core import jaxpr_as_fun
-
-    jaxpr, consts = _compat.closed(body)
-    closed_body = body if consts or hasattr(body, "consts") else jc.ClosedJaxpr(jaxpr, [])
-    avals = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in jaxpr.invars]
-    return xla_flops(jax.jit(jaxpr_as_fun(closed_body)).lower(*avals).compile())

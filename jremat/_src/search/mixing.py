@@ -20,7 +20,7 @@ import itertools
 from collections.abc import Callable
 from typing import Any
 
-from .plan import KEEP, Plan
+from jremat._src.plan.plan import KEEP, Plan
 
 #: Per-unit choices mixed, from most memory (no remat) to least.
 UNIT_POLICIES = (
@@ -35,7 +35,7 @@ UNIT_POLICIES = (
 def layer_mix_plan(graph: Any, policies: list[str]) -> Plan:
     """A plan with layer i (of `planning.layer_segments`) under `policies[i]` (a built-in
     policy name or "keep"); glue between layers is kept."""
-    from .planning import layer_segments
+    from jremat._src.trace.layers import layer_segments
 
     spans = layer_segments(graph)
     if len(policies) != len(spans):
@@ -74,7 +74,7 @@ def _label(policies: list[str], kind: str = "layers") -> str:
 
 def _families(prog: Any) -> list[tuple[int, Callable[[list[str]], Plan]]]:
     """(number of units, plan builder from per-unit policies) for each way to mix."""
-    from .planning import layer_segments
+    from jremat._src.trace.layers import layer_segments
 
     graph = prog.graph
     lengths = [int(nd.eqn.params["length"]) for nd in graph.nodes if nd.primitive == "scan"]

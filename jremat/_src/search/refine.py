@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from .plan import KEEP, Plan, Segment
+from jremat._src.plan.plan import KEEP, Plan, Segment
 
 #: Primitives that start a sub-layer segment.
 CONTRACTIONS = frozenset({"dot_general", "conv_general_dilated"})

@@ -10,44 +10,23 @@ the budget with the fewest compiled FLOPs found.
 from __future__ import annotations
 
 import copy
-import dataclasses
-import json
 import math
-import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
 import numpy as np
 
-from . import _compat, mixing, refine
-from .budget import Budget, parse_budget
-from .errors import InfeasibleBudgetError
-from .measure import compile_figures
-from .offload import OffloadCost, host_offload_effective, parse_offload
-from .plan import Plan
-from .planners import PLANNERS
-from .planners.candidates import candidate_cuts, layer_spans
-from .planners.chain import ChainPlanner
-from .rewrite import rematerialize
-from .sharding import manual_axes, shard_args
-from .trace import Graph, _check_differentiable, build_graph, normalize_argnums
+from jremat._src.base.budget import Budget, parse_budget
+from jremat._src.base.errors import InfeasibleBudgetError
+from jremat._src.compile.program import Compiled, Program
+from jremat._src.plan.offload import OffloadCost, host_offload_effective, parse_offload
+from jremat._src.plan.plan import Plan, _key
+from jremat._src.plan.planners.chain import ChainPlanner
+from jremat._src.search import mixing, refine
+from jremat._src.trace.graph import Graph
 
 SOLVERS = ("auto", "chain", "greedy", "dtr", "milp")
-#: `solver="auto"` uses the exact MILP (1 s per solve, warm-started with the chain DP's plan)
-#: up to this many equations; above, the chain DP, which is exact on the same model up to its
-#: 1/384 memory discretization and runs in well under a second.
-AUTO_MILP_MAX_NODES = 120
-AUTO_MILP_SECONDS = 1.0
-#: Fixed recipes compiled next to every plan search: JAX's built-in policies per layer and
-#: sqrt(n) segments. `plan` returns the cheapest compiled plan that fits, so it never recomputes
-#: more than any of these when one fits the budget.
-ANCHOR_RECIPES = (
-    ("nothing_saveable", "layers"),
-    ("nothing_saveable", "sqrt_n"),
-    ("dots_with_no_batch_dims_saveable", "layers"),
-    ("dots_saveable", "layers"),
-)
 
 
 def check_solver(solver: Any, *, none_ok: bool = False) -> None:
@@ -64,169 +43,6 @@ def check_solver(solver: Any, *, none_ok: bool = False) -> None:
     raise ValueError(
         f"solver must be one of {accepted}{default}; got {type(solver).__name__} {solver!r}"
     )
-
-
-def abstract_args(args: Sequence[Any]) -> tuple[Any, ...]:
-    """Arguments as `jax.ShapeDtypeStruct`s (planning needs shapes and dtypes, and inside a
-    `shard_map` body the axes each varies over). Shardings are attached by
-    `jremat.sharding.shard_args`."""
-
-    def to_aval(x: Any) -> Any:
-        if isinstance(x, jax.ShapeDtypeStruct):
-            return x
-        if isinstance(x, (bool, int, float, complex)):  # a Python scalar traces weakly typed
-            return jax.ShapeDtypeStruct((), jax.numpy.asarray(x).dtype, weak_type=True)
-        if hasattr(x, "shape") and hasattr(x, "dtype"):
-            weak = bool(getattr(getattr(x, "aval", x), "weak_type", False))
-            # inside a shard_map body: which mesh axes the value varies over is part of its
-            # type, and of the program it traces to
-            manual = _compat.manual_axis_type(x) if _compat.is_tracer(x) else None
-            if manual is not None:
-                sharding = jax.typeof(x).sharding  # over the body's (Manual) abstract mesh
-                return _compat.shape_dtype(x, manual=manual, weak_type=weak, sharding=sharding)
-            return jax.ShapeDtypeStruct(x.shape, x.dtype, weak_type=weak)
-        return x
-
-    return tuple(jax.tree_util.tree_map(to_aval, a) for a in args)
-
-
-@dataclasses.dataclass
-class Compiled:
-    temp_bytes: int
-    flops: float
-    fixed_bytes: int  # argument + output - alias
-    #: for a plan that offloads on a backend where offloading has no memory effect (CPU): the
-    #: offload plan's own compiled temp bytes; `temp_bytes` is then that of the proxy plan
-    #: (offloaded values recomputed instead), see `jremat.offload`. None otherwise.
-    offload_temp_bytes: int | None = None
-
-
-class Program:
-    """One function at one signature: its graph, and compiled figures of plans on it."""
-
-    def __init__(
-        self,
-        fn: Callable[..., Any],
-        args: Sequence[Any],
-        argnums: int | Sequence[int],
-        in_shardings: Any = None,
-        mesh: Any = None,
-    ):
-        if not callable(fn):
-            raise TypeError(f"fn must be a callable, got {type(fn).__name__}")
-        self.fn = fn
-        self.nums = normalize_argnums(argnums, len(args))
-        # shapes, dtypes and the sharding each argument runs under (jremat.sharding)
-        self.args = shard_args(args, in_shardings, mesh)
-        _check_differentiable(self.args, self.nums)
-        from .measure import _check_scalar_output
-
-        _check_scalar_output(fn, self.args)
-        self.graph: Graph = build_graph(fn, self.args, self.nums)
-        #: inside a shard_map body: its mesh axes, bound when compiling (see compile_step)
-        self.manual_axes = manual_axes()
-        self._baseline: Compiled | None = None
-        self.has_scan = _has_scan(self.graph)
-        self._planners: dict = {}
-        self._steps: dict[str, tuple[Compiled, Any, float]] = {}
-        self.tried: list[tuple[Plan, Compiled]] = []  # every plan compiled on this program
-        self._anchors: dict = {}
-
-    def compile(self, plan: Plan | None) -> Compiled:
-        """Compiled temp bytes and FLOPs of one training step under `plan` (None: no remat).
-        Memoized per plan structure: the same segments and saves compile once."""
-        return self.step(plan)[0]
-
-    def step(self, plan: Plan | None) -> tuple[Compiled, Any, float]:
-        """(figures, executable, compile seconds) of `jit(value_and_grad)` under `plan`,
-        compiled once per plan structure; every compiled plan is also listed in `tried`."""
-        key = _key(plan)
-        if key not in self._steps:
-            f = self.fn if plan is None else rematerialize(self.fn, plan)
-            t0 = time.perf_counter()
-            exe, flops = compile_figures(
-                f, self.args, self.nums, manual_axes=self.manual_axes, scan_flops=self.has_scan
-            )
-            seconds = time.perf_counter() - t0
-            mem = exe.memory_analysis()
-            fixed = mem.argument_size_in_bytes + mem.output_size_in_bytes - mem.alias_size_in_bytes
-            compiled = Compiled(int(mem.temp_size_in_bytes), flops, int(fixed))
-            if _offloads(plan) and not host_offload_effective():
-                # the offload is a no-op here: device memory from the proxy (module docstring
-                # of jremat.offload); FLOPs and executable stay the offload plan's own
-                proxy = self.compile(offload_proxy(plan))
-                compiled = dataclasses.replace(
-                    compiled, temp_bytes=proxy.temp_bytes, offload_temp_bytes=compiled.temp_bytes
-                )
-            self._steps[key] = (compiled, exe, seconds)
-            if plan is not None and not plan.is_identity:
-                self.tried.append((copy.deepcopy(plan), compiled))
-        return self._steps[key]
-
-    @property
-    def baseline(self) -> Compiled:
-        if self._baseline is None:
-            self._baseline = self.compile(None)
-        return self._baseline
-
-    def planner(self, solver: str, max_cuts: int, offload: OffloadCost | None = None):
-        """The planner for this graph (built once per solver, cut count and offload cost)."""
-        kw: dict[str, Any] = {}
-        if solver == "auto":
-            solver = "milp" if self.graph.num_nodes <= AUTO_MILP_MAX_NODES else "chain"
-            kw = {"time_limit": AUTO_MILP_SECONDS} if solver == "milp" else {}
-        if solver == "milp":
-            max_cuts = min(max_cuts, 32)  # the MILP has O(max_cuts x span x options) binaries
-        key = (solver, max_cuts, offload)
-        if offload is not None:
-            kw["offload"] = offload
-        if key not in self._planners:
-            self._planners[key] = PLANNERS[solver](self.graph, max_cuts=max_cuts, **kw)
-        return self._planners[key]
-
-    def anchors(self, planner) -> list[tuple[Plan, Compiled]]:
-        """Compiled reference plans, first the planner's min-memory plan, then `ANCHOR_RECIPES`
-        (built-in policies per layer, sqrt(n) segments of Chen et al. 2016). Compiled once per
-        program."""
-        akey = (planner.name, getattr(planner, "offload", None))
-        if akey not in self._anchors:
-            plans = [planner.min_memory_plan()]
-            if len(layer_segments(self.graph)) > 1:
-                plans += [recipe_plan(self.graph, policy, seg) for policy, seg in ANCHOR_RECIPES]
-            for scans in scan_configs(self.graph):
-                for base_plan in (Plan.identity(self.graph), planner.min_memory_plan()):
-                    p = copy.deepcopy(base_plan)
-                    p.scans, p.solver = scans, f"{base_plan.solver}+scan"
-                    plans.append(p)
-            unique = {_key(p): p for p in reversed(plans)}  # first occurrence wins
-            plans = [p for p in plans if unique.get(_key(p)) is p]
-            self._anchors[akey] = [(p, self.compile(p)) for p in plans]
-        return [(copy.deepcopy(p), c) for p, c in self._anchors[akey]]
-
-    def record(self, plan: Plan, c: Compiled) -> Plan:
-        plan.measured_temp_bytes = c.temp_bytes
-        plan.measured_flops = c.flops
-        plan.baseline_temp_bytes = self.baseline.temp_bytes
-        if c.offload_temp_bytes is not None:
-            plan.notes.append(
-                f"host offload has no memory effect on backend {jax.default_backend()!r}: "
-                f"this plan compiles to {c.offload_temp_bytes:,} temp bytes here; "
-                f"measured_temp_bytes ({c.temp_bytes:,}) is the compiled temp of the same plan "
-                "with its offloaded values recomputed instead, the device memory expected "
-                "where pinned host memory exists. Not confirmed by this compile."
-            )
-        return plan
-
-
-def _has_scan(graph: Graph) -> bool:
-    from ._compat import subjaxprs
-
-    def walk(eqns) -> bool:
-        return any(
-            e.primitive.name == "scan" or any(walk(j.eqns) for j in subjaxprs(e)) for e in eqns
-        )
-
-    return walk([n.eqn for n in graph.nodes])
 
 
 def plan(
@@ -300,7 +116,7 @@ def plan(
       ValueError (sharding): `in_shardings` does not match the arguments, a `PartitionSpec`
         without a mesh, or a mesh needing more devices than exist (see `jremat.sharding`).
     """
-    from ._args import check_count, check_flag
+    from jremat._src.base.args import check_count, check_flag
 
     spec = parse_budget(budget)
     offload_cost = parse_offload(offload)
@@ -491,34 +307,6 @@ def solve(
 FLOOR_LADDER = (1.03, 1.08, 1.15)
 
 
-def _key(p: Plan | None) -> str:
-    """What decides the rewritten program: segments with their saves, and scan settings."""
-    if p is None or p.is_identity:
-        return "unchanged"
-    segs = ";".join(
-        f"{s.start}:{s.end}:{s.policy}:{','.join(map(str, s.saved))}"
-        + (f">{','.join(map(str, s.offloaded))}" if s.offloaded else "")
-        for s in p.segments
-    )
-    return f"{segs}|{json.dumps(p.scans, sort_keys=True)}"
-
-
-def _offloads(p: Plan | None) -> bool:
-    return p is not None and any(s.offloaded for s in p.segments)
-
-
-def offload_proxy(p: Plan) -> Plan:
-    """`p` with every offloaded value recomputed instead (no longer named): on a backend
-    with pinned host memory, the device holds offloaded values as it holds recomputed ones,
-    so this plan's compiled temp bytes estimate `p`'s device memory where the offload
-    itself compiles to a no-op (CPU; see `jremat.offload`)."""
-    q = copy.deepcopy(p)
-    for s in q.segments:
-        s.offloaded = []
-    q.offloaded_bytes = 0
-    return q
-
-
 def _finish(p: Plan, meta: dict, solver: str, graph: Graph) -> Plan:
     p.annotate(graph)
     if p.offloaded_bytes and p.measured_temp_bytes is None and not host_offload_effective():
@@ -566,74 +354,3 @@ def _raise_model_infeasible(spec: Budget, prog: Program, planner: Any, model_non
     )
 
 
-# -- fixed recipes: built-in policies per layer, sqrt(n), scans over layers --------------------
-def scan_configs(graph: Graph) -> list[dict[str, dict]]:
-    """Loop rematerializations to try for the graph's top-level scans (one decision for every
-    iteration): the body under nothing / dots-without-batch / dots saveable, and sqrt(L)
-    nesting (outer scan over checkpointed inner scans) keeping or recomputing the inner body.
-    Flax's `nn.remat_scan` never checkpoints its innermost body; these configurations do."""
-    scans = [n for n in graph.nodes if n.primitive == "scan"]
-    if not scans:
-        return []
-    configs = []
-    options = [
-        ("nothing_saveable", 1),
-        ("dots_with_no_batch_dims_saveable", 1),
-        ("dots_saveable", 1),
-        ("everything_saveable", 0),
-        ("nothing_saveable", 0),
-    ]
-    for policy, nest in options:
-        cfg = {}
-        for node in scans:
-            length = int(node.eqn.params["length"])
-            k = nest or _sqrt_divisor(length)
-            if nest == 0 and k <= 1:
-                continue
-            cfg[str(node.index)] = {"policy": policy, "nest": k}
-        if cfg:
-            configs.append(cfg)
-    return configs
-
-
-def _sqrt_divisor(n: int) -> int:
-    """The divisor of n closest to sqrt(n) (1 when n is prime)."""
-    divisors = [d for d in range(2, n) if n % d == 0]
-    return min(divisors, key=lambda d: abs(d - math.sqrt(n))) if divisors else 1
-
-
-def layer_segments(graph: Graph, max_pseudo_layers: int = 16) -> list[tuple[int, int]]:
-    """The model's layers as node ranges (from name stacks), or equal-FLOP chunks between
-    low-crossing cuts when the program carries no layer names."""
-    spans = layer_spans(graph)
-    if len(spans) >= 2:
-        return spans
-    cuts = candidate_cuts(graph, max_cuts=4 * max_pseudo_layers)
-    flops = [0.0]
-    for node in graph.nodes:
-        flops.append(flops[-1] + node.flops)
-    total = flops[-1] or 1.0
-    chosen = [0]
-    for k in range(1, max_pseudo_layers):
-        want = total * k / max_pseudo_layers
-        c = min(cuts, key=lambda p: abs(flops[p] - want))
-        if c > chosen[-1]:
-            chosen.append(c)
-    if graph.num_nodes > chosen[-1]:
-        chosen.append(graph.num_nodes)
-    return list(zip(chosen[:-1], chosen[1:], strict=True))
-
-
-def recipe_plan(graph: Graph, policy: str, segmentation: str = "layers") -> Plan:
-    """A fixed plan: `policy` (a `jremat.policies` name) applied per layer ("layers"), or to
-    about sqrt(L) groups of layers ("sqrt_n", Chen et al. 2016); glue between layers is kept."""
-    spans = layer_segments(graph)
-    if segmentation == "sqrt_n":
-        k = max(1, round(math.sqrt(len(spans))))
-        size = math.ceil(len(spans) / k)
-        groups = [spans[i : i + size] for i in range(0, len(spans), size)]
-        spans = [(g[0][0], g[-1][1]) for g in groups]
-    elif segmentation != "layers":
-        raise ValueError(f"segmentation must be 'layers' or 'sqrt_n', got {segmentation!r}")
-    name = f"{policy}/{segmentation}"
-    return Plan.from_spans(graph, spans, [policy] * len(spans), name).annotate(graph)

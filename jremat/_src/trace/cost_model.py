@@ -30,7 +30,7 @@ from typing import Any
 
 import numpy as np
 
-from . import _compat
+from jremat._src.base import compat as _compat
 
 NEEDS_NOTHING = frozenset(
     """add add_any sub neg reshape broadcast_in_dim transpose squeeze expand_dims

@@ -15,7 +15,10 @@ from typing import Any
 import jax
 import numpy as np
 
-from . import _compat, cost_model, sharding
+from jremat._src.base import compat as _compat
+from jremat._src.base import sharding
+from jremat._src.base.args import _check_differentiable, normalize_argnums
+from jremat._src.trace import cost_model
 
 ARG = -1  # producer index of a function argument
 CONST = -2  # producer index of a captured constant
@@ -209,44 +212,6 @@ class _Builder:
 
 def _join(a: str, b: str) -> str:
     return f"{a}/{b}" if a and b else a or b
-
-
-def normalize_argnums(argnums: int | Sequence[int], nargs: int) -> tuple[int, ...]:
-    """Validate `argnums` (an int or a non-empty sequence of distinct ints, as in `jax.grad`)
-    against the number of positional arguments; returns non-negative positions."""
-    import operator
-
-    items = argnums if isinstance(argnums, (tuple, list)) else (argnums,)
-    try:
-        if not items or any(isinstance(a, bool) for a in items):
-            raise TypeError
-        nums = tuple(operator.index(a) for a in items)
-    except TypeError:
-        raise TypeError(
-            f"argnums must be an int or a non-empty tuple of ints, got {argnums!r}"
-        ) from None
-    for a in nums:
-        if not -nargs <= a < nargs:
-            raise ValueError(
-                f"argnums={argnums!r} is out of range for a function called with {nargs} "
-                "positional argument(s)"
-            )
-    out = tuple(a % nargs for a in nums)
-    if len(set(out)) != len(out):
-        raise ValueError(f"argnums={argnums!r} names an argument twice")
-    return out
-
-
-def _check_differentiable(args: Sequence[Any], argnums: tuple[int, ...]) -> None:
-    for a in argnums:
-        leaves = jax.tree_util.tree_leaves(args[a])
-        if not any(_compat.is_float_dtype(getattr(x, "dtype", None)) for x in leaves):
-            kinds = sorted({str(getattr(x, "dtype", type(x).__name__)) for x in leaves}) or ["none"]
-            raise TypeError(
-                f"argument {a} (argnums) has no floating-point leaves to differentiate "
-                f"(found: {', '.join(kinds)}). Pass the parameters as argument {a}, or set "
-                "argnums to the position of a float array or pytree of float arrays."
-            )
 
 
 def trace(fn: Callable[..., Any], *args: Any, argnums: int | Sequence[int] = 0) -> Graph:

@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 from optax import microbatching as omb
 
-from jremat.accumulation import _check_float_dtype, warn_batch_stats_once
+from jremat._src.training.accumulation import _check_float_dtype, warn_batch_stats_once
 
 __all__ = ["microbatch"]
 

@@ -26,14 +26,16 @@ from typing import Any
 import jax
 import optax
 
-from . import _compat
-from .budget import parse_budget
-from .errors import InfeasibleBudgetError
-from .measure import _correction, xla_flops
-from .microbatching import _batch_size, microbatch
-from .plan import Plan
-from .planning import Program, _key, abstract_args, solve
-from .rewrite import rematerialize
+from jremat._src.base import compat as _compat
+from jremat._src.base.args import abstract_args
+from jremat._src.base.budget import parse_budget
+from jremat._src.base.errors import InfeasibleBudgetError
+from jremat._src.compile.program import Program
+from jremat._src.compile.xla import _correction, xla_flops
+from jremat._src.plan.plan import Plan, _key
+from jremat._src.plan.rewrite import rematerialize
+from jremat._src.search.solve import solve
+from jremat._src.training.microbatching import _batch_size, microbatch
 
 __all__ = ["TrainingPlan", "plan_training"]
 

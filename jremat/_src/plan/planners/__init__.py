@@ -6,11 +6,11 @@ dtr     simulated Dynamic Tensor Rematerialization (Kirisame et al., ICLR 2021)
 milp    exact mixed-integer program on HiGHS (Checkmate, Jain et al., MLSys 2020)
 """
 
-from ..offload import OffloadCost
-from .chain import ChainPlanner
-from .dtr import DTRPlanner
-from .greedy import GreedyPlanner
-from .milp import MILPPlanner
+from jremat._src.plan.offload import OffloadCost
+from jremat._src.plan.planners.chain import ChainPlanner
+from jremat._src.plan.planners.dtr import DTRPlanner
+from jremat._src.plan.planners.greedy import GreedyPlanner
+from jremat._src.plan.planners.milp import MILPPlanner
 
 PLANNERS = {
     "chain": ChainPlanner,

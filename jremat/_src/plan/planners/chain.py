@@ -22,18 +22,18 @@ import math
 
 import numpy as np
 
-from ..offload import OffloadCost
-from ..plan import KEEP, SAVE_NAMES, Plan, Segment
-from ..trace import Graph
-from .candidates import (
+from jremat._src.plan.offload import OffloadCost
+from jremat._src.plan.plan import KEEP, SAVE_NAMES, Plan, Segment
+from jremat._src.plan.planners.segments import (
     KEEP_OPTION,
     OFFLOAD_OPTIONS,
     SAVE_OPTIONS,
     SegmentTable,
-    candidate_cuts,
     saved_values,
     segment_table,
 )
+from jremat._src.trace.graph import Graph
+from jremat._src.trace.layers import candidate_cuts
 
 GRID = 384  # memory buckets of the budgeted DP
 

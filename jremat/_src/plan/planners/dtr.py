@@ -18,8 +18,8 @@ rest are recomputed; a layer where nothing was evicted is kept unrematerialized.
 
 from __future__ import annotations
 
-from ..plan import KEEP, SAVE_NAMES, Plan
-from .chain import ChainPlanner
+from jremat._src.plan.plan import KEEP, SAVE_NAMES, Plan
+from jremat._src.plan.planners.chain import ChainPlanner
 
 
 class DTRPlanner(ChainPlanner):
@@ -131,7 +131,7 @@ class DTRPlanner(ChainPlanner):
         return ever_evicted, recompute, peak
 
     def plan(self, model_budget: float) -> Plan | None:
-        from ..planning import layer_segments
+        from jremat._src.trace.layers import layer_segments
 
         evicted, flops, peak = self.simulate(model_budget)
         if peak > model_budget * 1.001:

@@ -11,9 +11,9 @@ is bought when its transfer costs fewer FLOP-equivalents than the recompute it s
 
 from __future__ import annotations
 
-from ..plan import Plan
-from .candidates import KEEP_OPTION
-from .chain import ChainPlanner, to_plan
+from jremat._src.plan.plan import Plan
+from jremat._src.plan.planners.chain import ChainPlanner, to_plan
+from jremat._src.plan.planners.segments import KEEP_OPTION
 
 
 class GreedyPlanner(ChainPlanner):
@@ -22,7 +22,7 @@ class GreedyPlanner(ChainPlanner):
     name = "greedy"
 
     def _segments(self) -> list[tuple[int, int]]:
-        from ..planning import layer_segments
+        from jremat._src.trace.layers import layer_segments
 
         index = {c: i for i, c in enumerate(self.table.cuts)}
         spans = layer_segments(self.graph)
@@ -34,7 +34,7 @@ class GreedyPlanner(ChainPlanner):
         return list(zip(ids[:-1], ids[1:], strict=True))
 
     def _min_segs(self):
-        from .chain import min_memory
+        from jremat._src.plan.planners.chain import min_memory
 
         return min_memory(self.table)
 

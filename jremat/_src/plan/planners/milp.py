@@ -28,9 +28,9 @@ import sys
 
 import numpy as np
 
-from ..plan import Plan
-from .chain import to_plan
-from .greedy import GreedyPlanner
+from jremat._src.plan.plan import Plan
+from jremat._src.plan.planners.chain import to_plan
+from jremat._src.plan.planners.greedy import GreedyPlanner
 
 
 @contextlib.contextmanager

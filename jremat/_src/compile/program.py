@@ -1,0 +1,156 @@
+from __future__ import annotations
+
+import copy
+import dataclasses
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+
+from jremat._src.base.args import _check_differentiable, normalize_argnums
+from jremat._src.base.sharding import manual_axes, shard_args
+from jremat._src.compile.xla import compile_figures
+from jremat._src.plan.offload import OffloadCost, _offloads, host_offload_effective, offload_proxy
+from jremat._src.plan.plan import Plan, _key
+from jremat._src.plan.planners import PLANNERS
+from jremat._src.plan.recipes import ANCHOR_RECIPES, recipe_plan, scan_configs
+from jremat._src.plan.rewrite import rematerialize
+from jremat._src.trace.graph import Graph, build_graph
+from jremat._src.trace.layers import _has_scan, layer_segments
+
+#: `solver="auto"` uses the exact MILP (1 s per solve, warm-started with the chain DP's plan)
+#: up to this many equations; above, the chain DP, which is exact on the same model up to its
+#: 1/384 memory discretization and runs in well under a second.
+AUTO_MILP_MAX_NODES = 120
+
+
+AUTO_MILP_SECONDS = 1.0
+
+
+@dataclasses.dataclass
+class Compiled:
+    temp_bytes: int
+    flops: float
+    fixed_bytes: int  # argument + output - alias
+    #: for a plan that offloads on a backend where offloading has no memory effect (CPU): the
+    #: offload plan's own compiled temp bytes; `temp_bytes` is then that of the proxy plan
+    #: (offloaded values recomputed instead), see `jremat.offload`. None otherwise.
+    offload_temp_bytes: int | None = None
+
+
+class Program:
+    """One function at one signature: its graph, and compiled figures of plans on it."""
+
+    def __init__(
+        self,
+        fn: Callable[..., Any],
+        args: Sequence[Any],
+        argnums: int | Sequence[int],
+        in_shardings: Any = None,
+        mesh: Any = None,
+    ):
+        if not callable(fn):
+            raise TypeError(f"fn must be a callable, got {type(fn).__name__}")
+        self.fn = fn
+        self.nums = normalize_argnums(argnums, len(args))
+        # shapes, dtypes and the sharding each argument runs under (jremat.sharding)
+        self.args = shard_args(args, in_shardings, mesh)
+        _check_differentiable(self.args, self.nums)
+        from jremat._src.base.args import _check_scalar_output
+
+        _check_scalar_output(fn, self.args)
+        self.graph: Graph = build_graph(fn, self.args, self.nums)
+        #: inside a shard_map body: its mesh axes, bound when compiling (see compile_step)
+        self.manual_axes = manual_axes()
+        self._baseline: Compiled | None = None
+        self.has_scan = _has_scan(self.graph)
+        self._planners: dict = {}
+        self._steps: dict[str, tuple[Compiled, Any, float]] = {}
+        self.tried: list[tuple[Plan, Compiled]] = []  # every plan compiled on this program
+        self._anchors: dict = {}
+
+    def compile(self, plan: Plan | None) -> Compiled:
+        """Compiled temp bytes and FLOPs of one training step under `plan` (None: no remat).
+        Memoized per plan structure: the same segments and saves compile once."""
+        return self.step(plan)[0]
+
+    def step(self, plan: Plan | None) -> tuple[Compiled, Any, float]:
+        """(figures, executable, compile seconds) of `jit(value_and_grad)` under `plan`,
+        compiled once per plan structure; every compiled plan is also listed in `tried`."""
+        key = _key(plan)
+        if key not in self._steps:
+            f = self.fn if plan is None else rematerialize(self.fn, plan)
+            t0 = time.perf_counter()
+            exe, flops = compile_figures(
+                f, self.args, self.nums, manual_axes=self.manual_axes, scan_flops=self.has_scan
+            )
+            seconds = time.perf_counter() - t0
+            mem = exe.memory_analysis()
+            fixed = mem.argument_size_in_bytes + mem.output_size_in_bytes - mem.alias_size_in_bytes
+            compiled = Compiled(int(mem.temp_size_in_bytes), flops, int(fixed))
+            if _offloads(plan) and not host_offload_effective():
+                # the offload is a no-op here: device memory from the proxy (module docstring
+                # of jremat.offload); FLOPs and executable stay the offload plan's own
+                proxy = self.compile(offload_proxy(plan))
+                compiled = dataclasses.replace(
+                    compiled, temp_bytes=proxy.temp_bytes, offload_temp_bytes=compiled.temp_bytes
+                )
+            self._steps[key] = (compiled, exe, seconds)
+            if plan is not None and not plan.is_identity:
+                self.tried.append((copy.deepcopy(plan), compiled))
+        return self._steps[key]
+
+    @property
+    def baseline(self) -> Compiled:
+        if self._baseline is None:
+            self._baseline = self.compile(None)
+        return self._baseline
+
+    def planner(self, solver: str, max_cuts: int, offload: OffloadCost | None = None):
+        """The planner for this graph (built once per solver, cut count and offload cost)."""
+        kw: dict[str, Any] = {}
+        if solver == "auto":
+            solver = "milp" if self.graph.num_nodes <= AUTO_MILP_MAX_NODES else "chain"
+            kw = {"time_limit": AUTO_MILP_SECONDS} if solver == "milp" else {}
+        if solver == "milp":
+            max_cuts = min(max_cuts, 32)  # the MILP has O(max_cuts x span x options) binaries
+        key = (solver, max_cuts, offload)
+        if offload is not None:
+            kw["offload"] = offload
+        if key not in self._planners:
+            self._planners[key] = PLANNERS[solver](self.graph, max_cuts=max_cuts, **kw)
+        return self._planners[key]
+
+    def anchors(self, planner) -> list[tuple[Plan, Compiled]]:
+        """Compiled reference plans, first the planner's min-memory plan, then `ANCHOR_RECIPES`
+        (built-in policies per layer, sqrt(n) segments of Chen et al. 2016). Compiled once per
+        program."""
+        akey = (planner.name, getattr(planner, "offload", None))
+        if akey not in self._anchors:
+            plans = [planner.min_memory_plan()]
+            if len(layer_segments(self.graph)) > 1:
+                plans += [recipe_plan(self.graph, policy, seg) for policy, seg in ANCHOR_RECIPES]
+            for scans in scan_configs(self.graph):
+                for base_plan in (Plan.identity(self.graph), planner.min_memory_plan()):
+                    p = copy.deepcopy(base_plan)
+                    p.scans, p.solver = scans, f"{base_plan.solver}+scan"
+                    plans.append(p)
+            unique = {_key(p): p for p in reversed(plans)}  # first occurrence wins
+            plans = [p for p in plans if unique.get(_key(p)) is p]
+            self._anchors[akey] = [(p, self.compile(p)) for p in plans]
+        return [(copy.deepcopy(p), c) for p, c in self._anchors[akey]]
+
+    def record(self, plan: Plan, c: Compiled) -> Plan:
+        plan.measured_temp_bytes = c.temp_bytes
+        plan.measured_flops = c.flops
+        plan.baseline_temp_bytes = self.baseline.temp_bytes
+        if c.offload_temp_bytes is not None:
+            plan.notes.append(
+                f"host offload has no memory effect on backend {jax.default_backend()!r}: "
+                f"this plan compiles to {c.offload_temp_bytes:,} temp bytes here; "
+                f"measured_temp_bytes ({c.temp_bytes:,}) is the compiled temp of the same plan "
+                "with its offloaded values recomputed instead, the device memory expected "
+                "where pinned host memory exists. Not confirmed by this compile."
+            )
+        return plan

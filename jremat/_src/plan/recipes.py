@@ -1,0 +1,62 @@
+from __future__ import annotations
+
+import math
+
+from jremat._src.plan.plan import Plan
+from jremat._src.trace.graph import Graph
+from jremat._src.trace.layers import _sqrt_divisor, layer_segments
+
+#: Fixed recipes compiled next to every plan search: JAX's built-in policies per layer and
+#: sqrt(n) segments. `plan` returns the cheapest compiled plan that fits, so it never recomputes
+#: more than any of these when one fits the budget.
+ANCHOR_RECIPES = (
+    ("nothing_saveable", "layers"),
+    ("nothing_saveable", "sqrt_n"),
+    ("dots_with_no_batch_dims_saveable", "layers"),
+    ("dots_saveable", "layers"),
+)
+
+
+# -- fixed recipes: built-in policies per layer, sqrt(n), scans over layers --------------------
+def scan_configs(graph: Graph) -> list[dict[str, dict]]:
+    """Loop rematerializations to try for the graph's top-level scans (one decision for every
+    iteration): the body under nothing / dots-without-batch / dots saveable, and sqrt(L)
+    nesting (outer scan over checkpointed inner scans) keeping or recomputing the inner body.
+    Flax's `nn.remat_scan` never checkpoints its innermost body; these configurations do."""
+    scans = [n for n in graph.nodes if n.primitive == "scan"]
+    if not scans:
+        return []
+    configs = []
+    options = [
+        ("nothing_saveable", 1),
+        ("dots_with_no_batch_dims_saveable", 1),
+        ("dots_saveable", 1),
+        ("everything_saveable", 0),
+        ("nothing_saveable", 0),
+    ]
+    for policy, nest in options:
+        cfg = {}
+        for node in scans:
+            length = int(node.eqn.params["length"])
+            k = nest or _sqrt_divisor(length)
+            if nest == 0 and k <= 1:
+                continue
+            cfg[str(node.index)] = {"policy": policy, "nest": k}
+        if cfg:
+            configs.append(cfg)
+    return configs
+
+
+def recipe_plan(graph: Graph, policy: str, segmentation: str = "layers") -> Plan:
+    """A fixed plan: `policy` (a `jremat.policies` name) applied per layer ("layers"), or to
+    about sqrt(L) groups of layers ("sqrt_n", Chen et al. 2016); glue between layers is kept."""
+    spans = layer_segments(graph)
+    if segmentation == "sqrt_n":
+        k = max(1, round(math.sqrt(len(spans))))
+        size = math.ceil(len(spans) / k)
+        groups = [spans[i : i + size] for i in range(0, len(spans), size)]
+        spans = [(g[0][0], g[-1][1]) for g in groups]
+    elif segmentation != "layers":
+        raise ValueError(f"segmentation must be 'layers' or 'sqrt_n', got {segmentation!r}")
+    name = f"{policy}/{segmentation}"
+    return Plan.from_spans(graph, spans, [policy] * len(spans), name).annotate(graph)

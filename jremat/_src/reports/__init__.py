@@ -1,0 +1,1 @@
+"""Reports: `measure`, `compare` and its Pareto frontier and plot, `explain`."""

@@ -1,0 +1,1 @@
+"""Search: from a budget to a verified plan (anchors, calibration, rounds, mixes, refinement)."""

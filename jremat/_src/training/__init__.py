@@ -1,0 +1,1 @@
+"""Training: gradient accumulation over optax, in-step microbatching, and `plan_training`."""
