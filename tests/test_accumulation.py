@@ -10,7 +10,7 @@ import numpy as np
 import optax
 import pytest
 
-from jremat import accumulation
+from jremat._src.training import accumulation
 from jremat._src.training.accumulation import (
     accumulate,
     has_updated,

@@ -12,7 +12,8 @@ import json
 
 import pytest
 
-from jremat import cli, comparison
+from jremat import cli
+from jremat._src.reports import comparison
 from jremat._src.reports.comparison import Comparison, Row
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"

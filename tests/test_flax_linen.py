@@ -22,7 +22,7 @@ import pytest
 from flax import errors as flax_errors
 
 import jremat
-from jremat import plan_cache
+from jremat._src.frontends import cache as plan_cache
 from jremat._src.frontends.blocks import disabled
 from jremat._src.plan.plan import KEEP, SAVE_NAMES, Plan, Segment
 

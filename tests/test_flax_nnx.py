@@ -16,7 +16,7 @@ import pytest
 from flax import nnx
 
 import jremat
-from jremat import plan_cache
+from jremat._src.frontends import cache as plan_cache
 from jremat._src.frontends.blocks import disabled
 from jremat._src.plan.plan import KEEP, SAVE_NAMES, Plan, Segment
 

@@ -11,7 +11,7 @@ import numpy as np
 import optax
 import pytest
 
-from jremat import accumulation
+from jremat._src.training import accumulation
 from jremat._src.training.microbatching import microbatch
 
 B, D_IN, D_H = 16, 8, 16

@@ -94,7 +94,7 @@ def test_missing_package_names_the_extra(monkeypatch, name, module):
 
 def test_core_import_needs_no_zoo_package():
     code = (
-        "import sys, jremat, jremat.models, jremat.comparison, jremat.cli\n"
+        "import sys, jremat, jremat.models, jremat._src.reports.comparison, jremat.cli\n"
         "bad = [m for m in ('transformers', 'jax_resnet', 'matplotlib', 'diffusers') "
         "if m in sys.modules]\n"
         "assert not bad, bad"

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 import jremat
-from jremat import budget as budget_module
+from jremat._src.base import budget as budget_module
 from jremat._src.base.args import abstract_args
 from jremat._src.frontends.blocks import disabled
 from jremat._src.frontends.cache import PlanCache
@@ -87,7 +87,7 @@ def _tiny_loss(w, x):
 _KEY_SCRIPT = """
 import jax, jax.numpy as jnp
 from jremat._src.frontends.cache import PlanCache
-from jremat._src.search.solve import abstract_args
+from jremat._src.base.args import abstract_args
 from jremat._src.trace.graph import build_graph
 def _tiny_loss(w, x):
     return jnp.mean(jnp.tanh(x @ w) ** 2)

@@ -16,7 +16,8 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import jremat
-from jremat import sharding
+from jremat._src.base import sharding
+from jremat._src.trace import sharding as propagation
 
 AXES = {"data": 2, "model": 4}
 
@@ -30,7 +31,7 @@ def _eqn(fn, *shapes, index=0):
 def _out(eqn, *specs):
     in_shapes = [tuple(v.aval.shape) for v in eqn.invars]
     out_shapes = [tuple(v.aval.shape) for v in eqn.outvars]
-    return sharding.propagate(eqn, list(specs), in_shapes, out_shapes)
+    return propagation.propagate(eqn, list(specs), in_shapes, out_shapes)
 
 
 def test_dot_general_keeps_batch_and_free_dims_and_sums_contracting():
@@ -72,12 +73,12 @@ def test_shape_ops_move_specs():
 
 
 def test_per_device_bytes_round_up_uneven_shards():
-    assert sharding.per_device_nbytes(8 * 16 * 4, (8, 16), (("data",), ("model",)), AXES) == (
+    assert propagation.per_device_nbytes(8 * 16 * 4, (8, 16), (("data",), ("model",)), AXES) == (
         4 * 4 * 4
     )
     # 6 rows over 4 devices: XLA pads to 2 rows each
-    assert sharding.per_device_nbytes(6 * 4, (6,), (("model",),), AXES) == 2 * 4
-    assert sharding.per_device_nbytes(100, (25,), None, AXES) == 100
+    assert propagation.per_device_nbytes(6 * 4, (6,), (("model",),), AXES) == 2 * 4
+    assert propagation.per_device_nbytes(100, (25,), None, AXES) == 100
 
 
 def test_unsharded_trace_is_unchanged():

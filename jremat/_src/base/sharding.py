@@ -293,7 +293,8 @@ def _caller_stacklevel() -> int:
     import os
     import sys
 
-    here = os.path.dirname(os.path.abspath(__file__))
+    # jremat/ itself: this file is jremat/_src/base/sharding.py
+    here = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     frame, level = sys._getframe(1), 1
     while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(here + os.sep):
         frame, level = frame.f_back, level + 1

@@ -47,7 +47,7 @@ def compile_figures(
     if not manual_axes:
         return run(fn, args, True)
     g, global_args = sharding.bind_axes(fn, manual_axes, args)
-    return sharding.outside_trace(lambda: run(g, global_args, False))
+    return outside_trace(lambda: run(g, global_args, False))
 
 
 def mesh_size(avals: Sequence[Any]) -> int:

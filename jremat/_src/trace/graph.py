@@ -19,6 +19,7 @@ from jremat._src.base import compat as _compat
 from jremat._src.base import sharding
 from jremat._src.base.args import _check_differentiable, normalize_argnums
 from jremat._src.trace import cost_model
+from jremat._src.trace.sharding import aval_spec, per_device_nbytes, propagate, spec_of
 
 ARG = -1  # producer index of a function argument
 CONST = -2  # producer index of a captured constant
@@ -115,7 +116,7 @@ class _Builder:
         vid = len(self.values)
         dtype = getattr(aval, "dtype", None)
         shape = tuple(getattr(aval, "shape", ()))
-        explicit = sharding.aval_spec(aval)
+        explicit = aval_spec(aval)
         if explicit is not None:  # explicit sharding mode: the aval says it
             spec, axes = explicit
             self.axes.update(axes)
@@ -127,7 +128,7 @@ class _Builder:
                 id=vid,
                 shape=shape,
                 dtype=str(dtype),
-                nbytes=sharding.per_device_nbytes(nbytes, shape, spec, self.axes),
+                nbytes=per_device_nbytes(nbytes, shape, spec, self.axes),
                 producer=producer,
                 is_float=_compat.is_float_dtype(dtype),
                 global_nbytes=nbytes,
@@ -145,7 +146,7 @@ class _Builder:
             return [None] * len(eqn.outvars)
         in_shapes = [tuple(getattr(v.aval, "shape", ())) for v in eqn.invars]
         out_shapes = [tuple(getattr(v.aval, "shape", ())) for v in eqn.outvars]
-        return sharding.propagate(eqn, in_specs, in_shapes, out_shapes)
+        return propagate(eqn, in_specs, in_shapes, out_shapes)
 
     def add_jaxpr(self, jaxpr: Any, consts: Sequence[Any], in_ids: Sequence[Any], stack: str):
         env: dict[Any, Any] = {}
@@ -251,7 +252,7 @@ def build_graph(fn: Callable[..., Any], args: Sequence[Any], nums: tuple[int, ..
     b = _Builder(axes)
     jaxpr, consts = _compat.closed(closed_jaxpr)
     in_ids = [
-        b.new_value(v.aval, ARG, sharding.spec_of(sharding.leaf_sharding(x), len(v.aval.shape)))
+        b.new_value(v.aval, ARG, spec_of(sharding.leaf_sharding(x), len(v.aval.shape)))
         for v, x in zip(jaxpr.invars, flat_args, strict=True)
     ]
     outs = b.add_jaxpr(jaxpr, consts, in_ids, "")

@@ -7,7 +7,7 @@ so it interoperates with optax tooling; :func:`has_updated`, :func:`state_bytes`
 and :func:`state_breakdown` inspect it.
 
 For accumulation *inside* one jitted step (one call, a ``lax.fori_loop`` over
-microbatches) see :func:`jremat.microbatching.microbatch`.
+microbatches) see :func:`jremat.microbatch`.
 """
 
 from __future__ import annotations
@@ -257,7 +257,7 @@ def accumulate(
 
     Example:
       >>> import jax.numpy as jnp, optax
-      >>> from jremat.accumulation import accumulate, has_updated
+      >>> from jremat import accumulate, has_updated
       >>> opt = accumulate(optax.sgd(0.5), every_k=2)
       >>> params = {"w": jnp.zeros(3)}
       >>> state = opt.init(params)

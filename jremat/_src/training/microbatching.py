@@ -216,7 +216,7 @@ def microbatch(
 
     Example:
       >>> import jax, jax.numpy as jnp
-      >>> from jremat.microbatching import microbatch
+      >>> from jremat import microbatch
       >>> def loss_fn(w, batch):
       ...     return jnp.mean((batch["x"] @ w - batch["y"]) ** 2)
       >>> w = jnp.ones(3)
