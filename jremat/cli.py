@@ -141,13 +141,13 @@ def _error(msg: str, code: int) -> int:
 
 def _compare(args: argparse.Namespace) -> int:
     from jremat import models
-    from jremat._src.reports.comparison import _fixed_jobs, compare
+    from jremat._src.reports.comparison import compare, fixed_jobs
     from jremat._src.search.solve import SOLVERS
 
     if args.runs < 0:
         return _error(f"--runs must be >= 0, got {args.runs}", 2)
     try:
-        _fixed_jobs(args.policies, None)  # validates the names before anything compiles
+        fixed_jobs(args.policies, None)  # validates the names before anything compiles
     except ValueError as e:
         return _error(f"--policies: {e}", 2)
     bad = [s for s in args.solvers if s not in SOLVERS]

@@ -10,8 +10,8 @@ import models as M  # noqa: E402  (tests/ is on sys.path via conftest)
 import pytest
 
 import jremat
-from jremat._src.search import mixing
 from jremat._src.compile.program import Program
+from jremat._src.search import mixing
 from jremat._src.trace.layers import layer_segments
 
 

@@ -8,9 +8,9 @@ import models as M  # noqa: E402  (tests/ is on sys.path via conftest)
 import pytest
 
 import jremat
-from jremat._src.search import refine
 from jremat._src.compile.program import Program
 from jremat._src.plan.recipes import recipe_plan
+from jremat._src.search import refine
 
 
 @pytest.fixture(scope="module")

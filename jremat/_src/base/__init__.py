@@ -1,1 +1,2 @@
-"""Arguments, budgets and errors: checks every public entry point shares; JAX version differences (`compat`)."""
+"""Arguments, budgets and errors: the checks every public entry point shares, mesh and
+sharding arguments, and every JAX version difference (`compat`)."""

@@ -89,7 +89,7 @@ def normalize_argnums(argnums: int | Sequence[int], nargs: int) -> tuple[int, ..
     return out
 
 
-def _check_differentiable(args: Sequence[Any], argnums: tuple[int, ...]) -> None:
+def check_differentiable(args: Sequence[Any], argnums: tuple[int, ...]) -> None:
     for a in argnums:
         leaves = jax.tree_util.tree_leaves(args[a])
         if not any(_compat.is_float_dtype(getattr(x, "dtype", None)) for x in leaves):
@@ -101,7 +101,7 @@ def _check_differentiable(args: Sequence[Any], argnums: tuple[int, ...]) -> None
             )
 
 
-def _check_scalar_output(fn: Callable[..., Any], args: Sequence[Any]) -> None:
+def check_scalar_output(fn: Callable[..., Any], args: Sequence[Any]) -> None:
     out = jax.eval_shape(fn, *args)
     leaves = jax.tree_util.tree_leaves(out)
     ok = len(leaves) == 1 and leaves[0].shape == () and _compat.is_float_dtype(leaves[0].dtype)

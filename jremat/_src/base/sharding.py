@@ -167,7 +167,7 @@ def _to_sharding(entry: Any, mesh: Any, where: str) -> Any:
                 "pass mesh=jax.make_mesh(...) or call under `with jax.set_mesh(mesh):`, or "
                 "give a NamedSharding."
             )
-        missing = [a for e in entry for a in _axes(e) if a not in m.axis_names]
+        missing = [a for e in entry for a in spec_axes(e) if a not in m.axis_names]
         if missing:
             raise ValueError(
                 f"in_shardings{where} is the PartitionSpec {entry}, which names mesh axis "
@@ -399,7 +399,7 @@ def bind_axes(
 
 
 # -- specs -------------------------------------------------------------------------------------
-def _axes(entry: Any) -> tuple[str, ...]:
+def spec_axes(entry: Any) -> tuple[str, ...]:
     if entry is None or entry is PartitionSpec.UNCONSTRAINED:
         return ()
     if isinstance(entry, str):

@@ -92,7 +92,7 @@ def block_fn(
     return f, (diff, rest)
 
 
-def _pairing(outs: Sequence[Any], ct_mask: Sequence[bool], salt: int = 0) -> Any:
+def pairing(outs: Sequence[Any], ct_mask: Sequence[bool], salt: int = 0) -> Any:
     """`sum_i <outs[i], t_i>` over the float outputs `ct_mask` selects, with fixed tangents
     `t_i = sin(0.7548777 * iota + i + salt)` (built in the graph, not a foldable constant)."""
     total = None
@@ -106,10 +106,10 @@ def _pairing(outs: Sequence[Any], ct_mask: Sequence[bool], salt: int = 0) -> Any
 
 
 def surrogate_loss(fn: Callable[..., Any], ct_mask: Sequence[bool]) -> Callable[..., Any]:
-    """The scalar loss a block is planned through: `fn`'s equations, then `_pairing`."""
+    """The scalar loss a block is planned through: `fn`'s equations, then `pairing`."""
 
     def loss(*args: Any) -> Any:
-        return _pairing(fn(*args), ct_mask)
+        return pairing(fn(*args), ct_mask)
 
     return loss
 
@@ -141,11 +141,11 @@ class BlockProgram(Program):
         super().__init__(surrogate_loss(f, ct_mask), args, 0)
         self.block_fn, self.block, self.ct_mask = f, block, list(ct_mask)
         self._alone: int | None = None
-        _block_plan(copy.deepcopy(Plan.identity(self.graph)), block, self.graph)  # invariant
+        block_plan(copy.deepcopy(Plan.identity(self.graph)), block, self.graph)  # invariant
 
     def _two_copies(self, p: Plan | None) -> Callable[..., Any]:
         f, block, mask = self.block_fn, self.block, self.ct_mask
-        bp = None if p is None else _block_plan(copy.deepcopy(p), block, self.graph)
+        bp = None if p is None else block_plan(copy.deepcopy(p), block, self.graph)
 
         def step(diff, rest):
             if bp is None or bp.is_identity:
@@ -156,7 +156,7 @@ class BlockProgram(Program):
             floats = [o for o in floats if o.size]
             tie = sum(floats) * 0.0 if floats else jnp.float32(0.0)
             second = f(tuple(d + tie.astype(d.dtype) for d in diff), rest)
-            return _pairing(first, mask) + _pairing(second, mask, salt=len(mask))
+            return pairing(first, mask) + pairing(second, mask, salt=len(mask))
 
         return step
 
@@ -207,7 +207,7 @@ def whole_block_plan(graph: Graph, n: int, policy: str = SAVE_NAMES) -> Plan:
     )
 
 
-def _block_plan(p: Plan, block: Graph, planned: Graph) -> Plan:
+def block_plan(p: Plan, block: Graph, planned: Graph) -> Plan:
     """Map a plan of the surrogate loss (`planned`) onto the block's own graph (`block`).
 
     The surrogate's first `block.num_nodes` equations are the block's with the same value ids;

@@ -8,16 +8,16 @@ from typing import Any
 
 import jax
 
-from jremat._src.base.args import _check_differentiable, normalize_argnums
+from jremat._src.base.args import check_differentiable, normalize_argnums
 from jremat._src.base.sharding import manual_axes, shard_args
 from jremat._src.compile.xla import compile_figures
-from jremat._src.plan.offload import OffloadCost, _offloads, host_offload_effective, offload_proxy
-from jremat._src.plan.plan import Plan, _key
+from jremat._src.plan.offload import OffloadCost, host_offload_effective, offload_proxy, offloads
+from jremat._src.plan.plan import Plan, plan_key
 from jremat._src.plan.planners import PLANNERS
 from jremat._src.plan.recipes import ANCHOR_RECIPES, recipe_plan, scan_configs
 from jremat._src.plan.rewrite import rematerialize
 from jremat._src.trace.graph import Graph, build_graph
-from jremat._src.trace.layers import _has_scan, layer_segments
+from jremat._src.trace.layers import has_scan, layer_segments
 
 #: `solver="auto"` uses the exact MILP (1 s per solve, warm-started with the chain DP's plan)
 #: up to this many equations; above, the chain DP, which is exact on the same model up to its
@@ -56,15 +56,15 @@ class Program:
         self.nums = normalize_argnums(argnums, len(args))
         # shapes, dtypes and the sharding each argument runs under (jremat.sharding)
         self.args = shard_args(args, in_shardings, mesh)
-        _check_differentiable(self.args, self.nums)
-        from jremat._src.base.args import _check_scalar_output
+        check_differentiable(self.args, self.nums)
+        from jremat._src.base.args import check_scalar_output
 
-        _check_scalar_output(fn, self.args)
+        check_scalar_output(fn, self.args)
         self.graph: Graph = build_graph(fn, self.args, self.nums)
         #: inside a shard_map body: its mesh axes, bound when compiling (see compile_step)
         self.manual_axes = manual_axes()
         self._baseline: Compiled | None = None
-        self.has_scan = _has_scan(self.graph)
+        self.has_scan = has_scan(self.graph)
         self._planners: dict = {}
         self._steps: dict[str, tuple[Compiled, Any, float]] = {}
         self.tried: list[tuple[Plan, Compiled]] = []  # every plan compiled on this program
@@ -78,7 +78,7 @@ class Program:
     def step(self, plan: Plan | None) -> tuple[Compiled, Any, float]:
         """(figures, executable, compile seconds) of `jit(value_and_grad)` under `plan`,
         compiled once per plan structure; every compiled plan is also listed in `tried`."""
-        key = _key(plan)
+        key = plan_key(plan)
         if key not in self._steps:
             f = self.fn if plan is None else rematerialize(self.fn, plan)
             t0 = time.perf_counter()
@@ -89,7 +89,7 @@ class Program:
             mem = exe.memory_analysis()
             fixed = mem.argument_size_in_bytes + mem.output_size_in_bytes - mem.alias_size_in_bytes
             compiled = Compiled(int(mem.temp_size_in_bytes), flops, int(fixed))
-            if _offloads(plan) and not host_offload_effective():
+            if offloads(plan) and not host_offload_effective():
                 # the offload is a no-op here: device memory from the proxy (module docstring
                 # of jremat.offload); FLOPs and executable stay the offload plan's own
                 proxy = self.compile(offload_proxy(plan))
@@ -136,8 +136,8 @@ class Program:
                     p = copy.deepcopy(base_plan)
                     p.scans, p.solver = scans, f"{base_plan.solver}+scan"
                     plans.append(p)
-            unique = {_key(p): p for p in reversed(plans)}  # first occurrence wins
-            plans = [p for p in plans if unique.get(_key(p)) is p]
+            unique = {plan_key(p): p for p in reversed(plans)}  # first occurrence wins
+            plans = [p for p in plans if unique.get(plan_key(p)) is p]
             self._anchors[akey] = [(p, self.compile(p)) for p in plans]
         return [(copy.deepcopy(p), c) for p, c in self._anchors[akey]]
 

@@ -74,14 +74,14 @@ def scan_flops_correction(fn: Callable[..., Any], args: Sequence[Any], nums: tup
     nums_arg = nums[0] if len(nums) == 1 else nums
     closed_jaxpr = jax.make_jaxpr(jax.value_and_grad(fn, argnums=nums_arg))(*args)
     cache: dict[int, float] = {}
-    return _correction(_compat.closed(closed_jaxpr)[0], cache)
+    return jaxpr_scan_correction(_compat.closed(closed_jaxpr)[0], cache)
 
 
-def _correction(jaxpr: Any, cache: dict[int, float]) -> float:
+def jaxpr_scan_correction(jaxpr: Any, cache: dict[int, float]) -> float:
     total = 0.0
     for eqn in jaxpr.eqns:
         for sub in _compat.subjaxprs(eqn):
-            inner = _correction(sub, cache)
+            inner = jaxpr_scan_correction(sub, cache)
             if eqn.primitive.name == "scan":
                 length = _compat.scan_length(eqn)
                 total += (length - 1) * _body_flops(eqn.params["jaxpr"], cache) + length * inner

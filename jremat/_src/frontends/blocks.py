@@ -9,8 +9,8 @@ from jremat._src.base import compat as _compat
 from jremat._src.base.budget import Budget
 from jremat._src.compile.blocks import (
     BlockProgram,
-    _block_plan,
     block_fn,
+    block_plan,
     eval_jaxpr,
     has_cotangent,
     whole_block_plan,
@@ -70,7 +70,7 @@ def plan_block(
         return p
     prog = BlockProgram(f, block, args, ct_mask)
     p = solve(prog, spec, verify=True, max_rounds=max_rounds, **solve_kw)
-    p = _block_plan(p, block, prog.graph)
+    p = block_plan(p, block, prog.graph)
     if p.measured_temp_bytes is not None:  # the calibrated model figure is not kept bytes
         p.predicted_temp_bytes = p.measured_temp_bytes
     p.notes.append(

@@ -26,7 +26,7 @@ jremat plans it as a *function of arrays*:
    block through a surrogate `sum_i <out_i, t_i>` over the block's outputs (not its updated
    collections), with fixed tangents `t_i` built in the graph from `iota`. The surrogate's
    first equations are exactly the block's, so each plan maps back to the block's graph by
-   dropping the tail (`_block_plan`). Besides the planner's own plans and its min-memory
+   dropping the tail (`block_plan`). Besides the planner's own plans and its min-memory
    anchor, the whole block under one checkpoint saving nothing (what `nn.remat` does), saving
    matmul results (`dots_saveable`) or unbatched ones are compiled as anchors; the fitting plan
    with the fewest compiled FLOPs wins.

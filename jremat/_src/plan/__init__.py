@@ -1,1 +1,2 @@
-"""Plans: the `Plan` type, checkpoint policies and fixed recipes, the planners, host offload, and the rewrite that runs a plan."""
+"""Plans: the `Plan` type, fixed recipes, the planners, host offload, and the rewrite that
+runs a plan."""

@@ -194,7 +194,7 @@ def host_offload_effective() -> bool:
     return _effective(jax.default_backend())
 
 
-def _offloads(p: Plan | None) -> bool:
+def offloads(p: Plan | None) -> bool:
     return p is not None and any(s.offloaded for s in p.segments)
 
 

@@ -328,7 +328,7 @@ def _check_scan_policy(where: str, cfg: dict, known: set) -> None:
         raise ValueError(f"{where}: nest must be an int >= 1, got {nest!r}")
 
 
-def _key(p: Plan | None) -> str:
+def plan_key(p: Plan | None) -> str:
     """What decides the rewritten program: segments with their saves, and scan settings."""
     if p is None or p.is_identity:
         return "unchanged"

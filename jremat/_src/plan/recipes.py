@@ -4,7 +4,7 @@ import math
 
 from jremat._src.plan.plan import Plan
 from jremat._src.trace.graph import Graph
-from jremat._src.trace.layers import _sqrt_divisor, layer_segments
+from jremat._src.trace.layers import layer_segments, sqrt_divisor
 
 #: Fixed recipes compiled next to every plan search: JAX's built-in policies per layer and
 #: sqrt(n) segments. `plan` returns the cheapest compiled plan that fits, so it never recomputes
@@ -38,7 +38,7 @@ def scan_configs(graph: Graph) -> list[dict[str, dict]]:
         cfg = {}
         for node in scans:
             length = int(node.eqn.params["length"])
-            k = nest or _sqrt_divisor(length)
+            k = nest or sqrt_divisor(length)
             if nest == 0 and k <= 1:
                 continue
             cfg[str(node.index)] = {"policy": policy, "nest": k}

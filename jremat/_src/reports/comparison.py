@@ -357,7 +357,7 @@ class _Job:
     spec: Budget | None = None
 
 
-def _fixed_jobs(policies: str | Sequence[Any] | None, builtins: Sequence[str] | None) -> list[_Job]:
+def fixed_jobs(policies: str | Sequence[Any] | None, builtins: Sequence[str] | None) -> list[_Job]:
     """Validate the policy names and return the fixed-recipe jobs (no tracing needed)."""
     jobs: list[_Job] = []
     if builtins is not None or policies is None:
@@ -484,7 +484,7 @@ def compare(
     if isinstance(budgets, (str, int, float)):
         budgets = [budgets]
     specs = [parse_budget(b) for b in budgets]
-    jobs = _fixed_jobs(policies, builtins)
+    jobs = fixed_jobs(policies, builtins)
     prog = Program(fn, args, argnums)
     for job in jobs:
         if job.recipe is not None:

@@ -29,7 +29,7 @@ import jax
 
 from jremat._src.base import compat as _compat
 from jremat._src.base.args import abstract_args
-from jremat._src.compile.blocks import _pairing
+from jremat._src.compile.blocks import pairing
 from jremat._src.frontends.blocks import disabled
 from jremat._src.plan.plan import KEEP, SAVE_NAMES, Plan
 from jremat._src.plan.rewrite import segment_io
@@ -228,7 +228,7 @@ def _scalar_or_pairing(
 
     def loss(*a: Any) -> Any:
         outs = jax.tree_util.tree_leaves(fn(*a))
-        total = _pairing(outs, [True] * len(outs))
+        total = pairing(outs, [True] * len(outs))
         if total is None:
             raise TypeError(
                 "jremat.explain: the target returns no floating-point array to differentiate "

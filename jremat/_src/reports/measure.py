@@ -11,7 +11,7 @@ from typing import Any
 import jax
 
 from jremat._src.base import sharding
-from jremat._src.base.args import _check_scalar_output, normalize_argnums
+from jremat._src.base.args import check_scalar_output, normalize_argnums
 from jremat._src.compile.xla import (
     _num_devices,
     compile_step,
@@ -84,14 +84,14 @@ def measure(
         arguments, naming an axis its mesh lacks, or naming a mesh larger than the devices
         (see `jremat.sharding.shard_args`).
     """
-    from jremat._src.base.args import _check_differentiable
+    from jremat._src.base.args import check_differentiable
 
     nums = normalize_argnums(argnums, len(args))
     if not isinstance(runs, int) or isinstance(runs, bool) or runs < 0:
         raise ValueError(f"runs must be a non-negative int, got {runs!r}")
-    _check_differentiable(args, nums)
+    check_differentiable(args, nums)
     avals = sharding.shard_args(args, in_shardings, mesh)
-    _check_scalar_output(fn, avals)
+    check_scalar_output(fn, avals)
     t0 = time.perf_counter()
     compiled = compile_step(fn, avals, nums)
     compile_seconds = time.perf_counter() - t0

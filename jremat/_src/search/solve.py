@@ -21,7 +21,7 @@ from jremat._src.base.budget import Budget, parse_budget
 from jremat._src.base.errors import InfeasibleBudgetError
 from jremat._src.compile.program import Compiled, Program
 from jremat._src.plan.offload import OffloadCost, host_offload_effective, parse_offload
-from jremat._src.plan.plan import Plan, _key
+from jremat._src.plan.plan import Plan, plan_key
 from jremat._src.plan.planners.chain import ChainPlanner
 from jremat._src.search import mixing, refine
 from jremat._src.trace.graph import Graph
@@ -208,7 +208,7 @@ def solve(
         min(fitting, key=lambda t: t[0]) if fitting else (math.inf, None, None)
     )
     lo, hi = model_min, math.inf  # model budgets known feasible / infeasible when compiled
-    seen: set[str] = {_key(p) for p, _ in anchors}
+    seen: set[str] = {plan_key(p) for p, _ in anchors}
     # No reference plan fits: the model's plans just above its minimum, at fixed model
     # budgets. They do not depend on the target, so the smallest budget an
     # InfeasibleBudgetError states (anchors and these) is found again when asked for.
@@ -216,9 +216,9 @@ def solve(
 
     def add_floor(candidate: Plan | None, label: str) -> None:
         nonlocal best
-        if candidate is None or _key(candidate) in seen:
+        if candidate is None or plan_key(candidate) in seen:
             return
-        seen.add(_key(candidate))
+        seen.add(plan_key(candidate))
         c = prog.compile(candidate)
         floor.append((candidate, c))
         log.append(f"{label} -> compiled temp {c.temp_bytes:,}")
@@ -233,8 +233,8 @@ def solve(
         )
     for round_ in range(max_rounds if fitting else min(max_rounds, 2)):
         candidate = planner.plan(model_budget)
-        if candidate is not None and _key(candidate) not in seen:
-            seen.add(_key(candidate))
+        if candidate is not None and plan_key(candidate) not in seen:
+            seen.add(plan_key(candidate))
             c = prog.compile(candidate)
             ok = c.temp_bytes <= target
             log.append(

@@ -17,7 +17,7 @@ import numpy as np
 
 from jremat._src.base import compat as _compat
 from jremat._src.base import sharding
-from jremat._src.base.args import _check_differentiable, normalize_argnums
+from jremat._src.base.args import check_differentiable, normalize_argnums
 from jremat._src.trace import cost_model
 from jremat._src.trace.sharding import aval_spec, per_device_nbytes, propagate, spec_of
 
@@ -234,7 +234,7 @@ def trace(fn: Callable[..., Any], *args: Any, argnums: int | Sequence[int] = 0) 
     if not callable(fn):
         raise TypeError(f"fn must be a callable, got {type(fn).__name__}")
     nums = normalize_argnums(argnums, len(args))
-    _check_differentiable(args, nums)
+    check_differentiable(args, nums)
     return build_graph(fn, args, nums)
 
 

@@ -93,7 +93,7 @@ def candidate_cuts(graph: Graph, max_cuts: int = 160) -> list[int]:
     return sorted(cuts)
 
 
-def _has_scan(graph: Graph) -> bool:
+def has_scan(graph: Graph) -> bool:
     from jremat._src.base.compat import subjaxprs
 
     def walk(eqns) -> bool:
@@ -104,7 +104,7 @@ def _has_scan(graph: Graph) -> bool:
     return walk([n.eqn for n in graph.nodes])
 
 
-def _sqrt_divisor(n: int) -> int:
+def sqrt_divisor(n: int) -> int:
     """The divisor of n closest to sqrt(n) (1 when n is prime)."""
     divisors = [d for d in range(2, n) if n % d == 0]
     return min(divisors, key=lambda d: abs(d - math.sqrt(n))) if divisors else 1

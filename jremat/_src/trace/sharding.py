@@ -7,7 +7,7 @@ from typing import Any
 import numpy as np
 from jax.sharding import NamedSharding
 
-from jremat._src.base.sharding import Spec, _axes, explicit_axes
+from jremat._src.base.sharding import Spec, explicit_axes, spec_axes
 
 
 def spec_of(sharding: Any, ndim: int, axes: Mapping[str, int] | None = None) -> Spec | None:
@@ -16,7 +16,7 @@ def spec_of(sharding: Any, ndim: int, axes: Mapping[str, int] | None = None) -> 
     if not isinstance(sharding, NamedSharding):
         return None
     entries = tuple(sharding.spec) + (None,) * (ndim - len(sharding.spec))
-    out = tuple(_axes(e) for e in entries[:ndim])
+    out = tuple(spec_axes(e) for e in entries[:ndim])
     if axes is not None:
         out = tuple(tuple(a for a in d if a in axes) for d in out)
     return out

@@ -130,7 +130,7 @@ def _check_every_k(every_k: Any) -> EveryK:
     )
 
 
-def _check_float_dtype(name: str, dtype: Any) -> jnp.dtype:
+def check_float_dtype(name: str, dtype: Any) -> jnp.dtype:
     try:
         dt = jnp.dtype(dtype)
     except TypeError as e:
@@ -277,7 +277,7 @@ def accumulate(
     every_k = _check_every_k(every_k)
     if reduction not in _REDUCTIONS:
         raise ValueError(f"reduction must be one of {_REDUCTIONS}; got {reduction!r}.")
-    acc_dtype = _check_float_dtype("accumulator_dtype", accumulator_dtype)
+    acc_dtype = check_float_dtype("accumulator_dtype", accumulator_dtype)
     if lr_scaling is not None and lr_scaling not in _LR_RULES:
         raise ValueError(f"lr_scaling must be None, 'linear' or 'sqrt'; got {lr_scaling!r}.")
     if (

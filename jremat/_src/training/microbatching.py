@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 from optax import microbatching as omb
 
-from jremat._src.training.accumulation import _check_float_dtype, warn_batch_stats_once
+from jremat._src.training.accumulation import check_float_dtype, warn_batch_stats_once
 
 __all__ = ["microbatch"]
 
@@ -103,7 +103,7 @@ def _describe(x: Any) -> str:
     return f"a {type(x).__name__}"
 
 
-def _batch_size(batch: Any, k: int) -> int:
+def leading_batch_size(batch: Any, k: int) -> int:
     paths = jax.tree_util.tree_flatten_with_path(batch)[0]
     if not paths:
         raise ValueError(
@@ -245,7 +245,7 @@ def microbatch(
     _check_aux_reduction(aux_reduction)
     acc_dt = None
     if accumulator_dtype is not None:
-        acc_dt = _check_float_dtype("accumulator_dtype (or None)", accumulator_dtype)
+        acc_dt = check_float_dtype("accumulator_dtype (or None)", accumulator_dtype)
 
     weighted = reduction == "weighted"
 
@@ -306,7 +306,7 @@ def microbatch(
         return (cast(value), jax.tree.map(cast, grads), count, aux)
 
     def microbatched(params: Any, batch: Any, *args: Any, **kwargs: Any):
-        size = _batch_size(batch, k)
+        size = leading_batch_size(batch, k)
         warn_batch_stats_once("jremat.microbatch", params)
         main = omb.AccumulationType.MEAN if reduction == "mean" else omb.AccumulationType.SUM
         aux_acc = jax.tree.map(lambda r: _aux_accumulator(r, k), aux_reduction) if has_aux else None

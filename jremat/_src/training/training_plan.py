@@ -31,11 +31,11 @@ from jremat._src.base.args import abstract_args
 from jremat._src.base.budget import parse_budget
 from jremat._src.base.errors import InfeasibleBudgetError
 from jremat._src.compile.program import Program
-from jremat._src.compile.xla import _correction, xla_flops
-from jremat._src.plan.plan import Plan, _key
+from jremat._src.compile.xla import jaxpr_scan_correction, xla_flops
+from jremat._src.plan.plan import Plan, plan_key
 from jremat._src.plan.rewrite import rematerialize
 from jremat._src.search.solve import solve
-from jremat._src.training.microbatching import _batch_size, microbatch
+from jremat._src.training.microbatching import leading_batch_size, microbatch
 
 __all__ = ["TrainingPlan", "plan_training"]
 
@@ -148,7 +148,7 @@ def _measure(vg, optimizer, args: Sequence[Any]) -> tuple[int, int, float]:
     # XLA counts a loop body once; add (trips - 1) bodies for every scan (the microbatch loop
     # and any scan inside the loss).
     jaxpr = jax.make_jaxpr(raw if raw is not None else vg)(*args)
-    flops = xla_flops(compiled) + _correction(_compat.closed(jaxpr)[0], {})
+    flops = xla_flops(compiled) + jaxpr_scan_correction(_compat.closed(jaxpr)[0], {})
     return footprint, temp, flops
 
 
@@ -235,7 +235,7 @@ def plan_training(
         if isinstance(f, bool) or not isinstance(f, float) or not 0 < f <= 1:
             raise ValueError(f"remat_budgets must be floats in (0, 1]; got {f!r}.")
     params_a, batch_a = abstract_args((params, batch))
-    size = _batch_size(batch_a, 1)
+    size = leading_batch_size(batch_a, 1)
     ks = _default_candidates(size) if candidates is None else _check_candidates(candidates, size)
     if optimizer is None:
         step_args: tuple[Any, ...] = (params_a, batch_a)
@@ -280,9 +280,9 @@ def plan_training(
                     )
                 )
                 break  # a smaller fraction is infeasible too
-            if p.is_identity or _key(p) in seen:
+            if p.is_identity or plan_key(p) in seen:
                 continue
-            seen.add(_key(p))
+            seen.add(plan_key(p))
             if consider(k, rb, p):
                 break  # smaller fractions would only recompute more
 
