@@ -1,10 +1,10 @@
 """Gradient accumulation demo: three ways to take the same large-batch AdamW step.
 
-1. one large batch (``jax.value_and_grad``);
-2. ``jremat.microbatch``: the batch split into k microbatches inside one
+1. one large batch (`jax.value_and_grad`);
+2. `jremat.microbatch`: the batch split into k microbatches inside one
    jitted step (lower compiled temp memory, no extra optimizer state);
-3. ``jremat.accumulate``: k calls on k microbatches, the optimizer applied
-   on every k-th (``optax.MultiSteps``; one gradient-sized accumulator of state).
+3. `jremat.accumulate`: k calls on k microbatches, the optimizer applied
+   on every k-th (`optax.MultiSteps`; one gradient-sized accumulator of state).
 
 It prints the largest parameter difference to the large-batch run, the compiled temp
 bytes of each step and the optimizer-state bytes, then a masked (count-weighted) loss.

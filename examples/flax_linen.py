@@ -5,7 +5,7 @@ dropout; d=64, 4 heads) is trained with AdamW on the public-domain text shipped 
 (`jremat.data`, fresh 16 x 64-token windows each step). Each block class carries
 `@jremat.auto(budget=0.4, static_argnames="train")`: on the first traced call of a shape
 signature jremat plans the block so that it keeps at most 40% of the bytes it would keep from
-its forward to its backward pass (see `jremat.plan_cache`), verified on compiled programs;
+its forward to its backward pass (see docs/design.md#flax-blocks), verified on compiled programs;
 the 4 blocks share that plan. Parameter paths are those of the undecorated model
 (`Block_0` ... `Block_3`), so checkpoints load either way.
 

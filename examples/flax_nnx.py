@@ -5,7 +5,7 @@ self-attention and a GELU MLP with dropout; d=64, 4 heads) trained with AdamW
 (`nnx.Optimizer`) on the text shipped with jremat. The block class carries
 `@jremat.auto(budget=0.4)`: jremat plans what the block keeps between its forward and backward
 pass (at most 40% of the unrematerialized bytes, verified on compiled programs; see
-`jremat.plan_cache` and `jremat.flax_nnx`). Dropout streams advance exactly as without the
+docs/design.md#flax-blocks). Dropout streams advance exactly as without the
 decorator.
 
 It prints the compiled temp bytes of the loss's value-and-gradient (`nnx.jit(...).lower()`)

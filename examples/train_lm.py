@@ -2,13 +2,13 @@
 
 The default jremat workload (Hugging Face Flax GPT-2, random init, 2 layers, d=64) is trained
 for 600 Adam steps on byte-tokenized public-domain text (a fresh batch of 8 x 64 tokens each
-step, ``jremat.data.batches(..., seed=step)``). The loss is wrapped in ``jremat.auto``
+step, `jremat.data.batches(..., seed=step)`). The loss is wrapped in `jremat.auto`
 (rematerialization planned at half the unrematerialized temp bytes; Chen et al. 2016) and its
-gradient taken over 2 microbatches with ``jremat.microbatch`` (gradient accumulation inside
-the step, as ``optax.MultiSteps`` does across steps). It then asks ``jremat.plan_training``
+gradient taken over 2 microbatches with `jremat.microbatch` (gradient accumulation inside
+the step, as `optax.MultiSteps` does across steps). It then asks `jremat.plan_training`
 for a configuration that fits a byte budget the plain train step exceeds.
 
-Needs ``transformers<5`` (``pip install "jremat[models]"``). About a minute on a CPU:
+Needs `transformers<5` (`pip install "jremat[models]"`). About a minute on a CPU:
 
     python examples/train_lm.py
 """

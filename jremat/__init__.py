@@ -1,9 +1,10 @@
 """jremat: automatic, budgeted rematerialization and gradient accumulation for JAX and Flax.
 
-trace -> solve (planners) -> Plan -> rewrite (jax.checkpoint per segment) -> verify (XLA)
+trace -> plan (planners, rewrite) -> compile (XLA's figures) -> search (a verified plan)
+      -> frontends (auto, Flax) | training (accumulation) -> reports (measure, compare, explain)
 
 The implementation lives in `jremat._src`, one subpackage per layer of that flow; every public
-name is re-exported here (see `docs/architecture.md`).
+name is re-exported here (see `docs/architecture.md`; the reasoning is in `docs/design.md`).
 """
 
 from jremat import policies

@@ -1,4 +1,4 @@
-"""Tests for jremat.accumulation (accumulate, has_updated, state_bytes, state_breakdown)."""
+"""Tests for `jremat.accumulate`, `has_updated`, `state_bytes` and `state_breakdown`."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""`jremat.compare`, the `Comparison` exports and plot, and `jremat.pareto`.
+"""`jremat.compare`, the `Comparison` exports and plot, and its Pareto frontier.
 
 One tiny comparison (a 4-layer MLP, seconds to compile) is computed once per module and shared.
 """

@@ -9,7 +9,7 @@ arguments and Module-state bookkeeping are taken (`test_remat_scan` tests `nn.re
 jremat does not replace). Changes of assertion are marked `# jremat:`.
 
 `verify=False` keeps these fast: nothing is compiled while planning, and each block runs as one
-planned checkpoint through jremat's jaxpr rewrite (`jremat.plan_cache`).
+planned checkpoint through jremat's jaxpr rewrite (docs/design.md#flax-blocks).
 """
 
 from __future__ import annotations

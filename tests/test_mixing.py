@@ -1,4 +1,4 @@
-"""Mixes of compiled recipes (`jremat.mixing`) and split scans (`remat_scan(pieces=...)`):
+"""Mixes of compiled recipes (docs/design.md#mixes) and split scans (`remat_scan(pieces=...)`):
 exact gradients, memory between the pure policies, and a search that beats the best fitting
 pure recipe on budgets between two of them."""
 

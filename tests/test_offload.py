@@ -1,4 +1,4 @@
-"""Host offload as a plan option (`jremat.offload`): offload plans compile and run with exact
+"""Host offload as a plan option (`jremat.OffloadCost`): offload plans compile and run with exact
 gradients, survive JSON, and the planners take them only where the cost model says the
 transfer is cheaper than the recompute it spares. On CPU the offload is a no-op (no memory
 effect); the test that needs device memory to drop skips there."""

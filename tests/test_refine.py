@@ -1,5 +1,5 @@
-"""`jremat.refine`: the segment at a plan's peak cut into one segment per contraction, with
-exact gradients and less recompute than per-layer checkpointing."""
+"""Refinement (docs/design.md#refinement): the segment at a plan's peak cut into one segment
+per contraction, with exact gradients and less recompute than per-layer checkpointing."""
 
 from __future__ import annotations
 

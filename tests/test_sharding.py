@@ -1,5 +1,6 @@
-"""`jremat.sharding` on one device: spec propagation rules, per-device bytes, argument errors;
-and the 8-device suite (`test_sharding_8dev.py`) run in a subprocess with 8 host devices."""
+"""Sharding (docs/design.md#sharding) on one device: spec propagation rules, per-device bytes,
+argument errors; and the 8-device suite (`test_sharding_8dev.py`) run in a subprocess with 8
+host devices."""
 
 from __future__ import annotations
 

@@ -9,5 +9,6 @@
     training  accumulation, microbatching, plan_training
     reports   measure, compare, pareto, plot, explain
 
-Everything public is re-exported from `jremat`; modules here are private.
+Everything public is re-exported from `jremat`; modules here are private. The map, and where
+a new module goes: docs/architecture.md; the reasoning: docs/design.md.
 """

@@ -42,7 +42,7 @@ def check_flag(name: str, value: Any) -> bool:
 def abstract_args(args: Sequence[Any]) -> tuple[Any, ...]:
     """Arguments as `jax.ShapeDtypeStruct`s (planning needs shapes and dtypes, and inside a
     `shard_map` body the axes each varies over). Shardings are attached by
-    `jremat.sharding.shard_args`."""
+    `base.sharding.shard_args`."""
 
     def to_aval(x: Any) -> Any:
         if isinstance(x, jax.ShapeDtypeStruct):

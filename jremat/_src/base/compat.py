@@ -1,4 +1,7 @@
-"""Every difference between the JAX versions jremat supports (0.10.x and 0.12.x) lives here."""
+"""Every difference between the JAX versions jremat supports (0.10.x and 0.12.x) lives here.
+
+What differs and what was measured: docs/design.md#jax-versions.
+"""
 
 from __future__ import annotations
 
@@ -10,11 +13,10 @@ import numpy as np
 
 JAX_VERSION: tuple[int, ...] = tuple(int(p) for p in jax.__version__.split(".")[:3] if p.isdigit())
 
-#: jax 0.10's XLA:CPU pipeline expands the optimization barrier that `jax.checkpoint` puts on a
-#: recompute, then CSE merges the recompute back into the forward pass and the scheduler hoists
-#: what is left: a 16-layer per-layer `nothing_saveable` chain compiles to the same 264 MiB of
-#: temp as no remat (jax 0.12: 144 MiB). There, segments run under `rewrite.tied_checkpoint`,
-#: whose recompute depends on the incoming cotangent (measured: 144 MiB, as on jax 0.12).
+#: jax 0.10's XLA:CPU merges a checkpoint's recompute back into the forward pass (per-layer
+#: remat compiles to the temp of no remat), so there segments run under
+#: `rewrite.tied_checkpoint`, whose recompute depends on the incoming cotangent. Measured:
+#: docs/design.md#jax-versions.
 TIED_RECOMPUTE = JAX_VERSION < (0, 11)
 
 #: Primitives whose body jremat inlines into the surrounding graph (a plain call, no semantics).

@@ -1,29 +1,8 @@
-"""Sharding: per-device bytes of a program run under SPMD (`jit` with shardings, `shard_map`).
+"""Sharding arguments: meshes and `in_shardings=`, the sharding each argument runs under, and
+`shard_map` bodies (their manual axes, compiled over a mesh of the same axes).
 
-Measured facts this module rests on (CPU, 8 forced host devices, jax 0.10.2 and 0.12):
-
-* `jax.jit(jax.value_and_grad(fn)).lower(*args)` where the arguments are
-  `jax.ShapeDtypeStruct(..., sharding=NamedSharding(...))` (or sharded `jax.Array`s, or
-  `in_shardings=`) compiles the SPMD-partitioned program, and `memory_analysis()` reports
-  **per-device** bytes: a 4-layer MLP (batch 512, width 64, hidden 256) has 3,276,800 temp
-  bytes on one device and 655,432 per device with the batch over `data`=2 and the hidden
-  dimension over `model`=4; argument bytes 655,360 -> 196,608 (exactly the per-device shards).
-* Under `jax.jit` in JAX's default (Auto) sharding mode the tracers do not reveal the input
-  shardings (`jax.typeof(x).sharding.spec` is all None), so planning inside `jit` needs them
-  passed (`in_shardings=`). In explicit mode (`jax.sharding.AxisType.Explicit`, the default of
-  `jax.make_mesh` on both versions) every aval in the jaxpr carries its sharding
-  (`float32[512@data,256]`), and jremat reads it from there.
-* Inside a `shard_map` body the avals are already per-device; `get_abstract_mesh()` names the
-  mesh axes (types `Manual`) and their sizes on both versions (`jax.lax.axis_size` works too).
-  Compiling in the middle of the body's trace fails (an AssertionError in the lowering), so
-  jremat compiles in a helper thread (JAX's trace state is per thread), under a `shard_map`
-  over a fresh mesh with the same axis names and sizes (`bind_axes`): collectives (`psum`,
-  ...) have their axes bound, and each argument keeps the axes it varies over (the body's
-  jaxpr, with its `pvary`s, is part of what a plan is tied to).
-
-A value's sharding is kept as a per-dimension spec: one tuple of mesh axis names per dimension
-(`()` = not sharded). Per-device bytes divide each dimension by the product of its axes' sizes
-(rounded up: XLA pads uneven shards).
+Per-device bytes under SPMD; the measured facts this rests on are in
+docs/design.md#sharding.
 """
 
 from __future__ import annotations

@@ -1,3 +1,8 @@
+"""A traced Flax block as a function of arrays (`block_fn`), the surrogate loss it is planned
+through (`pairing`), and `BlockProgram`, which compiles a plan's *kept bytes*.
+
+The reasoning (what a block's budget bounds, the anchors): docs/design.md#flax-blocks."""
+
 from __future__ import annotations
 
 import contextlib
@@ -121,14 +126,15 @@ def has_cotangent(outs: Sequence[Any], ct_mask: Sequence[bool]) -> bool:
 
 # -- planning a block ------------------------------------------------------------------------
 class BlockProgram(Program):
-    """A block at one signature, planned by its compiled *kept bytes* (module docstring, 2).
+    """A block at one signature, planned by its compiled *kept bytes* (docs/design.md#flax-blocks).
 
     `compile(plan)` reports, as `temp_bytes`, the temp bytes the block under `plan` adds to a
     step in which an unrematerialized copy of it runs after it; `flops` are that step's
     compiled FLOPs (the copy's are the same for every plan); `fixed_bytes` is 0, so a byte
     budget caps the kept bytes. Plans are compiled with `prevent_cse=True` whatever the block
     runs with: this program is unrolled, and without the barrier XLA would merge the recompute
-    into the forward pass (DESIGN 1.4), while inside a scan body the loop boundary does that.
+    into the forward pass (docs/design.md#facts-about-jax-remat, fact 4), while inside a scan
+    body the loop boundary does that.
     """
 
     def __init__(

@@ -1,3 +1,10 @@
+"""`Program`: one function at one signature, its `Graph`, and the compiled figures (temp
+bytes, FLOPs, fixed bytes) of every plan tried on it; the planner and reference plans
+(anchors) it is searched with.
+
+Why plans are judged on compiled programs: docs/design.md#measuring and
+docs/design.md#verification."""
+
 from __future__ import annotations
 
 import copy
@@ -35,7 +42,7 @@ class Compiled:
     fixed_bytes: int  # argument + output - alias
     #: for a plan that offloads on a backend where offloading has no memory effect (CPU): the
     #: offload plan's own compiled temp bytes; `temp_bytes` is then that of the proxy plan
-    #: (offloaded values recomputed instead), see `jremat.offload`. None otherwise.
+    #: (offloaded values recomputed instead), see docs/design.md#host-offload. None otherwise.
     offload_temp_bytes: int | None = None
 
 
@@ -54,7 +61,7 @@ class Program:
             raise TypeError(f"fn must be a callable, got {type(fn).__name__}")
         self.fn = fn
         self.nums = normalize_argnums(argnums, len(args))
-        # shapes, dtypes and the sharding each argument runs under (jremat.sharding)
+        # shapes, dtypes and the sharding each argument runs under (base/sharding.py)
         self.args = shard_args(args, in_shardings, mesh)
         check_differentiable(self.args, self.nums)
         from jremat._src.base.args import check_scalar_output
@@ -90,8 +97,8 @@ class Program:
             fixed = mem.argument_size_in_bytes + mem.output_size_in_bytes - mem.alias_size_in_bytes
             compiled = Compiled(int(mem.temp_size_in_bytes), flops, int(fixed))
             if offloads(plan) and not host_offload_effective():
-                # the offload is a no-op here: device memory from the proxy (module docstring
-                # of jremat.offload); FLOPs and executable stay the offload plan's own
+                # the offload is a no-op here: device memory from the proxy
+                # (docs/design.md#host-offload); FLOPs and executable stay the offload plan's own
                 proxy = self.compile(offload_proxy(plan))
                 compiled = dataclasses.replace(
                     compiled, temp_bytes=proxy.temp_bytes, offload_temp_bytes=compiled.temp_bytes

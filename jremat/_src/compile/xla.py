@@ -1,3 +1,7 @@
+"""Compile `jit(value_and_grad(fn))` and read XLA's figures: `memory_analysis()` bytes and
+`cost_analysis()` FLOPs with scan bodies counted once per trip; `shard_map` bodies are
+compiled in a helper thread. What the figures mean: docs/design.md#measuring."""
+
 from __future__ import annotations
 
 import threading
@@ -27,9 +31,9 @@ def compile_figures(
 ) -> tuple[Any, float]:
     """`compile_step` and its FLOPs (scan bodies counted once per trip, when `scan_flops`).
 
-    With `manual_axes` ({name: size}, `jremat.sharding.manual_axes()` inside a `shard_map`
+    With `manual_axes` ({name: size}, `base.sharding.manual_axes()` inside a `shard_map`
     body) the per-device program is compiled in a helper thread, outside the body's trace,
-    under a `shard_map` over a mesh of the same axes (`jremat.sharding.bind_axes`); its
+    under a `shard_map` over a mesh of the same axes (`base.sharding.bind_axes`); its
     memory figures are those of one device.
     """
 

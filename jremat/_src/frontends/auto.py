@@ -1,17 +1,8 @@
 """`jremat.auto`: plan on first call per argument signature, then run the rematerialized fn.
 
-One decorator for three kinds of target, told apart without importing Flax (a Flax class or
-module can only reach here when Flax is already imported):
-
-* a function returning a scalar loss: planned and rewritten as a whole (`jremat.plan`);
-* a Flax linen Module class, or a linen method (a function whose first argument, at call time,
-  is a linen Module): a lifted transform like `nn.remat` (`jremat.flax_linen`);
-* an `nnx.Module` class, or a function called with NNX modules among its arguments: run
-  through NNX's functional API (split, trace, planned evaluation, update; `jremat.flax_nnx`
-  says why not inside `nnx.remat`).
-
-Flax blocks are planned per call signature as functions of their variables and inputs; see
-`jremat.plan_cache` for how, and what a budget means for a block.
+One decorator for a loss function, a Flax linen Module class or method (`flax_linen.py`) and
+an `nnx.Module` class or a function of NNX modules (`flax_nnx.py`), told apart without
+importing Flax. Targets, and what a budget means for a block: docs/design.md#flax-blocks.
 """
 
 from __future__ import annotations
@@ -71,7 +62,8 @@ def auto(
     A Flax block is planned as the function (variables, inputs) -> outputs, and its budget
     bounds what the block *keeps from its forward to its backward pass* (what accumulates over
     a stack of blocks), measured on compiled programs: a fraction is of the unrematerialized
-    block's kept bytes, bytes cap them (see `jremat.plan_cache`). `init` is never planned.
+    block's kept bytes, bytes cap them (see docs/design.md#flax-blocks). `init` is never
+    planned.
 
     Args:
       fn: the target (above); None to get a decorator.
@@ -97,7 +89,7 @@ def auto(
         `nn.remat`; default all).
       plan_dir: a folder for saved plans: each plan is written there as JSON, keyed by a
         stable hash of the signature, budget and program fingerprint, and loaded instead of
-        solved when a later run meets the same key (see `jremat.plan_cache.PlanCache`).
+        solved when a later run meets the same key (the wrapper's `plan_cache`).
       in_shardings: plain loss functions: the shardings the arguments run under, as in
         `jax.jit` (a `NamedSharding`/`PartitionSpec` for all, or a tuple of pytree prefixes,
         one per argument). Needed when `fn` is called inside `jax.jit` in JAX's default (Auto)

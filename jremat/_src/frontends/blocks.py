@@ -1,3 +1,8 @@
+"""Flax blocks at run time: `plan_block` plans a traced block under a kept-bytes budget,
+`run_block` evaluates it under the plan for its signature, `disabled` switches planning off.
+
+How a block is planned: docs/design.md#flax-blocks."""
+
 from __future__ import annotations
 
 import contextlib
@@ -75,7 +80,7 @@ def plan_block(
         p.predicted_temp_bytes = p.measured_temp_bytes
     p.notes.append(
         "block plan: measured_temp_bytes and baseline_temp_bytes are the block's kept bytes "
-        "(temp it adds ahead of an unrematerialized copy of itself), see jremat.plan_cache"
+        "(temp it adds ahead of an unrematerialized copy of itself), see docs/design.md#flax-blocks"
     )
     return p
 

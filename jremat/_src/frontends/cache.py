@@ -1,40 +1,7 @@
-"""Plans cached per program signature and budget (in memory and optionally on disk), and the
-planned evaluation of a traced block: the engine behind `jremat.auto` on Flax modules.
+"""`PlanCache`: the plans of one `jremat.auto` target, keyed by program signature and budget,
+in memory and optionally on disk (`plan_dir=`).
 
-How a Flax block is planned
----------------------------
-A block is not a loss: it maps (variables, inputs, RNG keys) to outputs and updated collections.
-jremat plans it as a *function of arrays*:
-
-1. The block is traced once per call into a jaxpr, exactly as `jax.checkpoint` traces it (so
-   Flax side effects such as RNG counters, `setup` calls and module state happen once, as with
-   `nn.remat`/`nnx.remat`). `block_fn` turns the jaxpr into a pure function `f(diff, rest)`:
-   `diff` are its floating-point inputs (parameters, activations, float state), `rest` the
-   others (integer inputs, RNG keys) and the captured constants. No user code runs again.
-2. What a budget bounds. A block's own training step cannot get much below its unrematerialized
-   memory: its backward pass needs its activations, recomputed or not (measured on a
-   LayerNorm/Dense/GELU/Dense block: at best 0.96 of the unrematerialized temp bytes). What
-   rematerializing a block saves is what it *keeps from its forward to its backward pass*
-   while the rest of the model runs: that is what accumulates over a stack of blocks. So for
-   a block the budget bounds its **kept bytes**, measured on the compiled program
-   (`BlockProgram`) as the temp bytes it adds to a step in which a second, unrematerialized
-   copy of the block runs after it (forced to, by a zero-valued data dependency):
-   `kept(plan) = temp(block under plan -> block) - temp(block)`. A fraction is of the
-   unrematerialized block's kept bytes; an int or a size string caps the kept bytes; "auto"
-   (the device's free memory, see `jremat.budget`) is read each time a signature is planned.
-3. The planner (`jremat.planning.solve`, all its solvers) needs a scalar loss, so it sees the
-   block through a surrogate `sum_i <out_i, t_i>` over the block's outputs (not its updated
-   collections), with fixed tangents `t_i` built in the graph from `iota`. The surrogate's
-   first equations are exactly the block's, so each plan maps back to the block's graph by
-   dropping the tail (`block_plan`). Besides the planner's own plans and its min-memory
-   anchor, the whole block under one checkpoint saving nothing (what `nn.remat` does), saving
-   matmul results (`dots_saveable`) or unbatched ones are compiled as anchors; the fitting plan
-   with the fewest compiled FLOPs wins.
-4. The block's graph is evaluated under the plan (`jremat.rewrite.run_graph`): each
-   checkpointed segment is a `jax.checkpoint` with a names policy.
-
-With `verify=False` nothing is compiled: a block whose budget is below 1 gets the
-whole-block plan that keeps only its inputs (the least kept bytes; `nn.remat`'s choice).
+How a Flax block is planned and what its budget bounds: docs/design.md#flax-blocks.
 """
 
 from __future__ import annotations
@@ -166,7 +133,7 @@ class PlanCache:
           args: its arguments (arrays, tracers or avals; only shapes and dtypes are used).
           argnums: differentiated arguments of a loss.
           ct_mask: for a block, which flat outputs a training step differentiates (the
-            module's outputs, not its updated collections); see the module docstring.
+            module's outputs, not its updated collections); see docs/design.md#flax-blocks.
 
         Raises:
           InfeasibleBudgetError, and the other errors of `jremat.plan`, unchanged.

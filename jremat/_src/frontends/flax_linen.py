@@ -1,16 +1,9 @@
 """`jremat.auto` for Flax linen: a lifted transform like `nn.remat` whose checkpoints are planned.
 
-`auto_linen(Block, budget=...)` returns a subclass of `Block` *with the same class name* (so
-auto-named submodules stay `Block_0`, not `CheckpointBlock_0`, and parameter paths equal the
-undecorated module's). It is built the way `nn.remat` is (`flax/linen/transforms.py`,
-`checkpoint`; `flax/core/lift.py`, `checkpoint`): `flax.linen.transforms.lift_transform` over a
-`flax.core.lift.pack`ed function. Inside, where `lift.checkpoint` calls
-`jax.checkpoint(rematted)`, jremat traces `rematted` once into a jaxpr (the same single trace,
-so RNG counters, `setup` calls and module state advance as with `nn.remat`) and evaluates it
-under the plan for its signature (`jremat.plan_cache.run_block`). During `init` the traced
-block is evaluated unchanged, without planning.
-
-Imported lazily by `jremat.auto`: `import jremat` does not import Flax.
+Built the way `nn.remat` is (`flax/linen/transforms.py` and `flax/core/lift.py`, `checkpoint`):
+`lift_transform` over a `lift.pack`ed function, keeping the wrapped class's name. How, and
+why: docs/design.md#flax-blocks. Imported lazily by `jremat.auto`: `import jremat` does not
+import Flax.
 """
 
 from __future__ import annotations

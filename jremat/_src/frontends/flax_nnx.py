@@ -1,24 +1,8 @@
 """`jremat.auto` for Flax NNX: module classes and functions that take modules.
 
-A call runs through NNX's functional API, the way NNX's own transforms work: the modules among
-the arguments are split into a graph definition and state (`nnx.split`), the call is traced
-once into a jaxpr on fresh modules merged from that state (`nnx.merge`, the user's function,
-`nnx.split` of the result), the jaxpr is evaluated under the plan for its signature
-(`jremat.plan_cache.run_block`: each planned segment a `jax.checkpoint` with a names policy),
-and the new state (RNG counts, batch-norm statistics, ...) is written back into the caller's
-modules with `nnx.update`, at the caller's trace level. So RNG streams and batch-norm state
-advance exactly as without remat, inside `nnx.jit`, `nnx.scan`, `nnx.vmap` or outside them.
-
-Why not inside `nnx.remat`: its one `jax.checkpoint` region is not a neutral carrier for the
-plan's segments. Measured on a 6-block residual MLP (512 x 32, hidden 128; compiled temp of
-`value_and_grad`): no remat 6.64 MB; the plan alone 2.88 MB (jax 0.10 and 0.12); the plan inside
-`nnx.remat(policy=everything_saveable)` 9.66 MB on jax 0.12, because that policy makes JAX keep
-every residual it linearizes, which XLA would otherwise fuse away (DESIGN 2); and a policy
-computed from the plan for a single `nnx.remat` region saves nothing on jax 0.10's XLA:CPU
-(`nnx.remat(Block)`: 6.38 MB, DESIGN 1 and `_compat.TIED_RECOMPUTE`). `static_argnums` and
-`prevent_cse` keep `nnx.remat`'s meaning.
-
-Imported lazily by `jremat.auto`: `import jremat` does not import Flax.
+A call runs through NNX's functional API (`nnx.split`, one trace, the planned evaluation,
+`nnx.update`), not inside `nnx.remat`; why: docs/design.md#flax-blocks. Imported lazily by
+`jremat.auto`: `import jremat` does not import Flax.
 """
 
 from __future__ import annotations
@@ -70,7 +54,7 @@ def planned_call(
     kwargs: dict[str, Any],
 ) -> Any:
     """Run `fn(*args, **kwargs)` through its traced jaxpr under the plan for its signature,
-    then update the modules among the arguments with their new state (module docstring).
+    then update the modules among the arguments with their new state (docs/design.md#flax-blocks).
 
     Array leaves of the arguments are traced; other leaves (the static arguments) are closed
     over as they are, so a Python value that is not declared static is static here too.

@@ -1,45 +1,10 @@
 """Host offload: a residual goes to pinned host memory between the forward and backward pass.
 
-A checkpointed segment may, instead of saving a residual on the device or recomputing it,
-offload it: `jax.checkpoint_policies.save_and_offload_only_these_names(
-names_which_can_be_saved=..., names_which_can_be_offloaded=..., offload_src="device",
-offload_dst="pinned_host")`. The forward pass copies the value to host memory, the backward pass
-copies it back. The device does not hold it in between, and nothing is recomputed; the price
-is the transfer time, 2 x bytes / host bandwidth (to host and back), which the planners charge
-as FLOP-equivalents: seconds x the device's FLOP rate (`OffloadCost`).
-
-Measured on CPU (XLA:CPU, 2 cores), jax 0.10.2 and jax 0.12.0.1 alike, with an 8-layer
-`x + tanh(x @ w)` chain (4 MiB activations, `jit(value_and_grad)`), each layer under
-`jax.checkpoint` offloading its named `x @ w`:
-
-* It traces, compiles and runs. The jaxpr holds `device_put` to `MemorySpace.Host` in the
-  forward pass (the residual's aval prints as `f32<host>[...]`) and `device_put` back to
-  `MemorySpace.Device` in the backward pass. Gradients are bit-identical to no remat
-  (max |difference| 0.0), also through `rewrite.tied_checkpoint` (the jax < 0.11 path).
-* `jax.devices()[0]` on CPU lists a `pinned_host` memory space, yet the lowered StableHLO
-  carries no placement (no `pinned_host`, no `annotate_device_placement`): on CPU the
-  offload is accepted and has no memory effect. Compiled temp bytes equal those of saving
-  the same values on the device (68.0 MiB on jax 0.12 either way and on jax 0.10 with
-  `jax.checkpoint`; 64.0 MiB on jax 0.10 with `tied_checkpoint`, as saving them there; no
-  remat 68.0, `nothing_saveable` 40.0), compiled FLOPs are those of not recomputing them
-  (2.47e10, vs 3.33e10 with `nothing_saveable`), and every `memory_analysis()`
-  `host_*_size_in_bytes` field is 0. In `tests/test_offload.py` (the 10-layer MLP chain of
-  `tests/models.py`, jax 0.10) the offload plan the chain DP makes at 40% of the modelled
-  peak compiles to the temp bytes of saving its offloaded values instead, and the proxy
-  below to fewer.
-* So the device memory an offload plan would have on a backend with pinned host memory
-  cannot be compiled on CPU. `host_offload_effective` tells the two cases apart by lowering a
-  tiny offloading function and looking for the placement in its StableHLO.
-
-How `jremat.plan(..., offload=...)` verifies an offload plan: where offloading is effective
-(GPU, TPU), by its own compiled temp bytes. Where it is not (CPU), the plan is compiled as is
-(it must compile; its FLOPs are the plan's FLOPs) and its device memory is taken from a second
-compile, the *proxy*: the same plan with the offloaded values recomputed instead of saved.
-On a backend with a host memory space the device holds an offloaded value neither between
-the passes (like a recomputed one) nor longer during its segment's backward pass (the copy
-back arrives about when the recompute would have produced it), so the proxy's temp bytes are
-the compiled estimate of the offload plan's device memory, not a confirmation of it;
-`Plan.notes` says so. Transfer buffers and copies that XLA schedules early are not in it.
+`OffloadCost` (a transfer priced in FLOP-equivalents), the offload policy
+(`jax.checkpoint_policies.save_and_offload_only_these_names`), `host_offload_effective` (does
+this backend free device memory?) and `offload_proxy` (the plan that stands in for an offload
+plan's device memory where it does not). Measurements on CPU and how an offload plan is
+verified: docs/design.md#host-offload.
 """
 
 from __future__ import annotations
@@ -202,7 +167,7 @@ def offload_proxy(p: Plan) -> Plan:
     """`p` with every offloaded value recomputed instead (no longer named): on a backend
     with pinned host memory, the device holds offloaded values as it holds recomputed ones,
     so this plan's compiled temp bytes estimate `p`'s device memory where the offload
-    itself compiles to a no-op (CPU; see `jremat.offload`)."""
+    itself compiles to a no-op (CPU; see docs/design.md#host-offload)."""
     q = copy.deepcopy(p)
     for s in q.segments:
         s.offloaded = []

@@ -1,4 +1,7 @@
-"""`Plan`: where a program is cut into segments and what each segment saves."""
+"""`Plan`: where a program is cut into segments and what each segment saves (validated JSON).
+
+Why a plan is many segments with names saved: docs/design.md#plans-and-the-rewrite.
+"""
 
 from __future__ import annotations
 
@@ -27,7 +30,7 @@ class Segment:
         `"dots_saveable"`), applied with `jax.checkpoint` to the segment.
       saved: value ids tagged with `checkpoint_name` and saved (policy `"names"` only).
       offloaded: value ids tagged with `checkpoint_name` and offloaded to pinned host memory
-        between the forward and backward pass (policy `"names"` only; see `jremat.offload`).
+        between the forward and backward pass (policy `"names"` only; see `jremat.OffloadCost`).
         Empty in plans made without `offload=`, and in plans saved before the field existed.
       stored_bytes: predicted bytes this segment keeps on the device from forward to backward
         (offloaded values excluded).
@@ -63,7 +66,7 @@ class Plan:
       budget: the budget asked for, as the caller gave it (JSON-able), or None.
       budget_temp_bytes: that budget translated to XLA temp bytes, or None.
       predicted_temp_bytes: the planner's calibrated prediction of compiled temp bytes; 0 when
-        the cost model cannot describe the plan (the sub-layer segments of `jremat.refine`).
+        the cost model cannot describe the plan (sub-layer segments, docs/design.md#refinement).
       recompute_flops: predicted FLOPs recomputed in the backward pass.
       offloaded_bytes: predicted bytes the plan offloads to pinned host memory (each copied to
         host in the forward pass and back in the backward pass); 0 without offload.
@@ -77,7 +80,7 @@ class Plan:
         loop becomes an outer scan of length/k over checkpointed inner scans of k steps
         (sqrt(L) nesting). `{"pieces": [{"length": n1, "policy": p1, "nest": 1}, ...]}`:
         the loop is split into consecutive scans, the first n1 iterations under p1 and so on
-        (a policy "keep" leaves its iterations unrematerialized); see `jremat.mixing`.
+        (a policy "keep" leaves its iterations unrematerialized); see docs/design.md#mixes.
     """
 
     segments: list[Segment]
@@ -187,7 +190,7 @@ class Plan:
           ValueError: malformed JSON, missing or unknown fields, a segment field of the wrong
             type (naming the segment index and field), or segments that do not tile the
             equations (`validate`). Whether saved/offloaded value ids exist in the program is
-            checked when the plan runs on it (`jremat.rewrite.run_graph`).
+            checked when the plan runs on it (`jremat.rematerialize`).
         """
         try:
             d = json.loads(text)

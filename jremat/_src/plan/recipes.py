@@ -1,3 +1,7 @@
+"""Fixed recipes: JAX's built-in policies per layer, sqrt(n) segments (Chen et al. 2016) and
+loop rematerializations of top-level scans, compiled as reference plans next to every search
+(docs/design.md#plans-and-the-rewrite)."""
+
 from __future__ import annotations
 
 import math

@@ -1,4 +1,8 @@
-"""Re-evaluate a traced program with each segment of a `Plan` under `jax.checkpoint`."""
+"""Re-evaluate a traced program with each segment of a `Plan` under `jax.checkpoint`.
+
+Named saves, loop rematerialization and the jax < 0.11 tied recompute:
+docs/design.md#plans-and-the-rewrite and docs/design.md#jax-versions.
+"""
 
 from __future__ import annotations
 
@@ -61,7 +65,8 @@ def remat_scan(
     One decision applies to every iteration: each keeps its carry and what `policy` saves.
     With `nest` = k > 1 dividing the length, the loop runs as an outer scan of length/k whose
     checkpointed body is an inner scan of k steps (sqrt(L) nesting), so only every k-th carry
-    is stored. `prevent_cse` is off: inside a loop it changes nothing (DESIGN.md).
+    is stored. `prevent_cse` is off: inside a loop it changes nothing
+    (docs/design.md#facts-about-jax-remat, fact 4).
 
     With `pieces` (a list of `{"length": n, "policy": p, "nest": k}` whose lengths sum to the
     scan's length), the loop is split into consecutive scans over slices of its `xs`, each
@@ -271,7 +276,7 @@ def rematerialize(
     for, and re-evaluates its equations: every checkpointed segment runs under
     `jax.checkpoint(policy=save_only_these_names(...), prevent_cse=prevent_cse)` with its saved
     values tagged by `jax.ad_checkpoint.checkpoint_name` (`save_and_offload_only_these_names`
-    where a segment offloads values to host memory; see `jremat.offload`). Composes with
+    where a segment offloads values to host memory; see docs/design.md#host-offload). Composes with
     `jit`, `grad`, `value_and_grad` and `vmap`. A plan that checkpoints nothing returns `fn` itself.
 
     Args:

@@ -1,10 +1,8 @@
 """`jremat.compare`: what each remat policy costs in memory and compute, on one program.
 
-Every row is one compiled training step `jit(value_and_grad(fn))`: XLA's `memory_analysis`
-gives its temp and footprint bytes, `cost_analysis` its FLOPs. The same executable is run once
-to compare its gradients with the unrematerialized ones (and timed when `runs > 0`). Results
-export to Markdown, CSV and JSON (and load back), render as an HTML table in Jupyter/Colab,
-and plot as temp memory against extra FLOPs with the Pareto frontier marked.
+Every row is one compiled training step `jit(value_and_grad(fn))`; `Comparison` exports to
+Markdown, CSV and JSON (and loads back), renders as HTML and plots its Pareto frontier. What
+the rows are: docs/design.md#reports.
 """
 
 from __future__ import annotations
@@ -117,7 +115,7 @@ class Comparison:
     # -- queries --------------------------------------------------------------------------
     def pareto(self) -> list[Row]:
         """The compiled rows no other row beats in both temp bytes and extra FLOPs, sorted by
-        extra FLOPs (see `jremat.pareto.pareto_front`)."""
+        extra FLOPs (docs/design.md#reports)."""
         ok = [r for r in self.rows if r.ok]
         return [ok[i] for i in pareto_front([(r.extra_flops_pct, r.temp_bytes) for r in ok])]
 
@@ -451,7 +449,7 @@ def compare(
         unrematerialized temp bytes, footprint bytes, "512MiB", "auto"); () for none.
       argnums: differentiated arguments, as in `jax.grad`.
       runs: when > 0, time this many executions of each row's step (median, seconds).
-      solvers: planners run at every budget (names in `jremat.planning.SOLVERS`); default
+      solvers: planners run at every budget (the `solver=` names of `jremat.plan`); default
         "auto", `jremat.plan`'s choice (the MILP on small graphs, the chain DP otherwise).
       builtins: `jremat.policies` names applied per layer; default
         `BUILTIN_PER_LAYER` when `policies` is None. Given with `policies`, both are compared.

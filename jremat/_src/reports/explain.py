@@ -1,20 +1,8 @@
 """`jremat.explain`: what a plan saves and recomputes, per layer and segment, before you decide.
 
-Built on `jremat.trace` (the `Graph` of values and equations), `jremat.planning.layer_segments`
-(the model's layers from name stacks) and `jremat.plan`. Every row is the intersection of one
-layer (or the glue between layers) with one plan segment, with:
-
-* activation bytes: the residuals its equations leave for the backward pass without remat
-  (the cost model's bytes, after XLA-style fusion; `Node.residuals` and `internal_bytes`);
-* saved bytes: what the plan keeps of them (a kept segment keeps all; a checkpointed one its
-  named values, the values later checkpointed segments take as inputs, and for built-in
-  policies what the policy saves);
-* recomputed bytes and FLOPs: what the backward pass recomputes instead;
-* source lines of its first and last equation, in the user's code (the innermost frame outside
-  site-packages and jremat; the library line when there is none).
-
-Rows come largest activations first. A Flax model is analysed as written: `jremat.auto`
-decorators inside it are switched off while tracing (`jremat.plan_cache.disabled`).
+Every row is one layer (or the glue between layers) intersected with one plan segment:
+activation, saved and recomputed bytes, recompute FLOPs and source lines
+(docs/design.md#reports). A Flax model is analysed as written, under `jremat.disabled()`.
 """
 
 from __future__ import annotations

@@ -1,4 +1,7 @@
-"""Compile `jit(value_and_grad(fn))` and read XLA's memory and FLOP figures."""
+"""Compile `jit(value_and_grad(fn))` and read XLA's memory and FLOP figures (`jremat.measure`).
+
+Which figures and why: docs/design.md#measuring.
+"""
 
 from __future__ import annotations
 
@@ -82,7 +85,7 @@ def measure(
         floating-point leaves; `mesh` or `in_shardings` of a type not accepted.
       ValueError: `argnums` out of range or `runs` negative; `in_shardings` not matching the
         arguments, naming an axis its mesh lacks, or naming a mesh larger than the devices
-        (see `jremat.sharding.shard_args`).
+        (docs/design.md#sharding).
     """
     from jremat._src.base.args import check_differentiable
 

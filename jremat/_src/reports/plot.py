@@ -1,3 +1,6 @@
+"""The Pareto plot of a `Comparison`: temp memory against extra FLOPs, the frontier marked
+(matplotlib, drawn with Agg)."""
+
 from __future__ import annotations
 
 import math

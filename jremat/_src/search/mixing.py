@@ -1,17 +1,9 @@
 """Mixes of compiled recipes: some layers (or scan iterations) under one policy, the rest under
 another, so that a budget between two built-in policies gets a plan between them.
 
-JAX's built-in policies applied per layer give a handful of (temp bytes, FLOPs) points. A
-budget between two of them is met by the lower one, which recomputes as much as the lower one.
-A mix puts the first k of L units (layers of an unrolled model, iterations of a `lax.scan`
-over layers) under the low-memory policy B and the other L - k under the high-memory policy A;
-its compiled temp and FLOPs lie close to the line between A and B, so for a budget between
-them the mix costs about the interpolation of their FLOPs instead of B's. The points are
-compiled anchors (truth, not the cost model), and each mix is compiled before it is used: k is
-chosen by interpolation, then corrected by secant steps on the compiled temp. For scans the
-split is two consecutive scans over slices of the loop (`rewrite.remat_scan(pieces=...)`).
-This is the lower convex hull of the built-in recipes, as Checkmate's and Rockmate's
-per-layer choices would give on a chain of identical layers.
+The lower convex hull of the built-in recipes, as Checkmate's and Rockmate's per-layer choices
+would give on a chain of identical layers; how mixes are chosen and corrected on the compiled
+temp: docs/design.md#mixes.
 """
 
 from __future__ import annotations
@@ -33,7 +25,7 @@ UNIT_POLICIES = (
 
 
 def layer_mix_plan(graph: Any, policies: list[str]) -> Plan:
-    """A plan with layer i (of `planning.layer_segments`) under `policies[i]` (a built-in
+    """A plan with layer i (of `layers.layer_segments`) under `policies[i]` (a built-in
     policy name or "keep"); glue between layers is kept."""
     from jremat._src.trace.layers import layer_segments
 
@@ -114,7 +106,7 @@ def _cheapest(points, units: int, target: float, best_flops: float, skip: set):
 def search(prog: Any, target: float, best_flops: float, max_compiles: int = 3) -> None:
     """Compile mixes that may fit `target` temp bytes with fewer FLOPs than `best_flops`.
 
-    Every compiled mix lands in `prog.tried`, from which `planning.solve` takes the cheapest
+    Every compiled mix lands in `prog.tried`, from which `solve.solve` takes the cheapest
     plan that fits. For each family the pure recipes (`UNIT_POLICIES` on every unit) are
     compiled once per program; a mix is a count of units per policy (at most three policies),
     predicted by interpolating the pure recipes' compiled temp and FLOPs. The cheapest mix

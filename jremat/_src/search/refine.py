@@ -1,19 +1,8 @@
 """Sub-layer segments for the segment at a plan's peak, tried when no plan reaches the budget.
 
-Per-layer checkpointing recomputes a whole layer in its backward pass, so the layer whose
-backward sits at the program's peak holds all of its recomputed values at once. Cutting that
-one layer finer lowers the peak: each contraction (`dot_general`, convolution) becomes its own
-checkpointed segment together with the cheap equations after it (reshape, bias add,
-concatenation), up to the next contraction or the next equation whose backward needs a value
-of its own (a nonlinearity such as ReLU or GELU); those equations are kept, so their inputs and
-outputs are stored at the cuts. Cutting every layer that way stores many more boundaries and
-costs more than it saves (measured on the held-out U-Net: the finest split of every layer 0.76
-of the unrematerialized temp, per-layer 0.56, the peak layer alone 0.51), so only the segment
-the cost model puts at the peak, and then the next one, are split. This is Rockmate's idea
-(Zhao et al., ICML 2023: a block's own schedule inside a chain of blocks) applied where it pays.
-
-The result depends only on the plan it starts from and the fitted cost model, never on the
-budget asked for, so a budget it reaches is reached again by a new `plan` call.
+Each contraction of the peak segment becomes its own checkpointed segment; only the peak
+segment, then the next one, are split. Rockmate's idea (Zhao et al., ICML 2023) applied where
+it pays; measurements and why the result is budget-independent: docs/design.md#refinement.
 """
 
 from __future__ import annotations

@@ -1,10 +1,8 @@
 """`jremat.plan`: trace, solve under a budget, verify on the compiled program, tighten.
 
-The planners work on a cost model (bytes of JAX values), which differs from what XLA packs
-(it fuses and frees more). So a plan is judged by compiling it: the model is calibrated between
-two compiled anchors (the unrematerialized program and the smallest-memory plan), and the
-model budget is then moved by secant/bisection steps until the compiled temp bytes are within
-the budget with the fewest compiled FLOPs found.
+The planners' cost model is fitted to compiled programs and every plan returned has been
+compiled; the steps (anchors, calibration, rounds, mixes, floor plans, refinement) and why:
+docs/design.md#verification.
 """
 
 from __future__ import annotations
@@ -70,8 +68,9 @@ def plan(
       fn: returns a scalar floating-point loss; positional array/pytree arguments.
       *args: example arguments (arrays or `jax.ShapeDtypeStruct`s).
       budget: a float in (0, 1] (fraction of the unrematerialized compiled temp bytes), an int
-        (footprint bytes), a string such as "512MiB"/"8GB", or "auto" (see `jremat.budget`).
-      solver: the planner (see `jremat.planners`): "chain" (dynamic programming over cuts and
+        (footprint bytes), a string such as "512MiB"/"8GB", or "auto" (see
+        `jremat.parse_budget`).
+      solver: the planner (docs/design.md#planners): "chain" (dynamic programming over cuts and
         save sets; Chen et al. 2016, Rotor, Rockmate), "greedy" (cost-per-byte knapsack),
         "dtr" (simulated Dynamic Tensor Rematerialization, Kirisame et al. 2021), "milp"
         (exact, HiGHS; Checkmate, Jain et al. 2020), or "auto": "milp" up to
@@ -83,7 +82,7 @@ def plan(
         the baseline is compiled; the plan may then miss the budget.
       max_rounds: how many plans verification may compile before settling (an int >= 1).
       max_cuts: cut candidates the DP considers (an int >= 1).
-      offload: host offload (`jremat.offload`). None/False (default): segments save or
+      offload: host offload (docs/design.md#host-offload). None/False (default): segments save or
         recompute. True or a `jremat.OffloadCost(host_bandwidth=bytes/s, device_flops=FLOP/s)`:
         a segment may also offload the values `dots_saveable` would save to pinned host
         memory, charged 2 x bytes / host_bandwidth seconds x device_flops FLOPs; the
@@ -114,7 +113,7 @@ def plan(
         the accepted forms; `verify` not a bool; `max_rounds` or `max_cuts` not an int (a
         bool included).
       ValueError (sharding): `in_shardings` does not match the arguments, a `PartitionSpec`
-        without a mesh, or a mesh needing more devices than exist (see `jremat.sharding`).
+        without a mesh, or a mesh needing more devices than exist (docs/design.md#sharding).
     """
     from jremat._src.base.args import check_count, check_flag
 
@@ -268,7 +267,7 @@ def solve(
             best = (score(p, c), copy.deepcopy(p), c)
     if best[1] is None:
         # still nothing fits: cut the segment at the peak of the lowest compiled plan finer
-        # (jremat.refine); like the floor plans, this does not depend on the target
+        # (search/refine.py); like the floor plans, this does not depend on the target
         lowest = min(
             ((p, c) for p, c in [*anchors, *floor] if not p.scans),
             key=lambda pc: pc[1].temp_bytes,

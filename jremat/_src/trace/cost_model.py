@@ -1,27 +1,8 @@
 """Per-equation cost model: FLOPs, and which primal values an equation's VJP keeps (residuals).
 
-FLOPs table (multiply-add = 2 FLOPs, as XLA's `cost_analysis` counts):
-
-==========================  ===============================================================
-primitive                   FLOPs
-==========================  ===============================================================
-dot_general                 2 x batch x lhs-free x rhs-free x contracted sizes (exact)
-conv_general_dilated        2 x output elements x (input features per group x kernel window)
-elementwise arithmetic      1 per output element (``add``, ``mul``, ``max``, ``select_n`` ...)
-transcendental              1 per output element (``exp``, ``tanh``, ``log``, ``erf`` ...)
-reductions, cumulatives     1 per input element (``reduce_sum``, ``reduce_max``, ``cumsum`` ...)
-data movement               0 (``reshape``, ``transpose``, ``broadcast_in_dim``, ``slice`` ...)
-scan                        body FLOPs x length
-cond                        the most expensive branch
-while                       one trip of cond + body (the trip count is unknown at trace time)
-checkpoint / custom_jvp/vjp the FLOPs of the inner jaxpr
-unknown primitive           1 per output element (conservative default, never a crash)
-==========================  ===============================================================
-
-Residual table: for reverse-mode AD, ``NEEDS_NOTHING`` primitives are linear (their transpose
-needs no primal value); ``NEEDS_OUTPUT`` ones keep their result (``tanh``' = 1 - tanh^2);
-every other primitive is assumed to keep its floating-point inputs (``mul``, ``dot_general``,
-``log`` ...), which is the conservative default for unknown primitives.
+FLOPs count a multiply-add as 2, as XLA's `cost_analysis` does; unknown primitives cost one
+FLOP per output element and keep their float inputs (conservative defaults, never a crash).
+The FLOP and residual tables, and fusion: docs/design.md#tracing-and-the-cost-model.
 """
 
 from __future__ import annotations
@@ -93,7 +74,8 @@ def conv_flops(eqn: Any) -> float:
 
 
 def eqn_flops(eqn: Any) -> float:
-    """FLOPs of one equation, nested bodies included (see the module's table)."""
+    """FLOPs of one equation, nested bodies included (the table in
+    docs/design.md#tracing-and-the-cost-model)."""
     name = eqn.primitive.name
     if name == "dot_general":
         return dot_general_flops(eqn)

@@ -2,7 +2,8 @@
 
 `trace` flattens `jit`/`closed_call` bodies into one equation list in program order, so cuts can
 fall anywhere inside them; `scan`, `cond`, `while`, `custom_jvp`, `custom_vjp` and nested
-checkpoints stay single nodes whose cost includes their bodies.
+checkpoints stay single nodes whose cost includes their bodies
+(docs/design.md#tracing-and-the-cost-model).
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ CONST = -2  # producer index of a captured constant
 class Value:
     """One array in the program: `nbytes` on each device, produced by node `producer`.
 
-    `shape` is the global shape. Under sharding (see `jremat.sharding`) `spec` holds the mesh
+    `shape` is the global shape. Under sharding (docs/design.md#sharding) `spec` holds the mesh
     axes of each dimension, `nbytes` the bytes of one device's shard and `global_nbytes` those
     of the whole array; unsharded, both byte counts agree and `spec` is None.
     """
@@ -224,8 +225,9 @@ def trace(fn: Callable[..., Any], *args: Any, argnums: int | Sequence[int] = 0) 
       argnums: which positional arguments are differentiated (int or tuple of ints).
 
     Returns:
-      A `Graph`: values with their bytes, equations with FLOPs (see `jremat.cost_model`) and the
-      residuals their VJP keeps. `jit`/`closed_call` bodies are inlined.
+      A `Graph`: values with their bytes, equations with FLOPs and the residuals their VJP
+      keeps (docs/design.md#tracing-and-the-cost-model). `jit`/`closed_call` bodies are
+      inlined.
 
     Raises:
       TypeError: `fn` is not callable, or an argument at `argnums` has no floating leaves.
@@ -344,7 +346,7 @@ def signature(args: Sequence[Any]) -> tuple:
     """Hashable shape/dtype signature of a call's arguments (the key of cached plans).
 
     Weak typing counts: a Python scalar (or a value traced from one) traces to a different
-    program than a committed float32 array. So do shardings (`jremat.sharding.sharding_key`):
+    program than a committed float32 array. So do shardings (`base.sharding.sharding_key`):
     the same shapes sharded differently are planned apart."""
     leaves, tree = jax.tree_util.tree_flatten(args)
 

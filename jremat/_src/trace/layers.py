@@ -1,3 +1,7 @@
+"""A program's layers from its name stack (`h/3`, `layers_4`, `Block_2`), the bytes crossing
+each cut position, and the cut candidates the planners consider
+(docs/design.md#tracing-and-the-cost-model)."""
+
 from __future__ import annotations
 
 import math

@@ -1,3 +1,6 @@
+"""Per-value sharding specs and per-device bytes: a spec per dimension from a sharding or an
+explicit-mode aval, propagated equation by equation (docs/design.md#sharding)."""
+
 from __future__ import annotations
 
 import math

@@ -1,13 +1,9 @@
-"""Gradient accumulation across optimizer steps, built on ``optax.MultiSteps``.
+"""Gradient accumulation across optimizer steps, built on `optax.MultiSteps`.
 
-:func:`accumulate` wraps any optax optimizer so that it averages (or sums) the
-gradients of ``every_k`` consecutive calls ("micro-steps") and applies the wrapped
-optimizer once per ``every_k`` calls.  Its state is :class:`optax.MultiStepsState`,
-so it interoperates with optax tooling; :func:`has_updated`, :func:`state_bytes`
-and :func:`state_breakdown` inspect it.
-
-For accumulation *inside* one jitted step (one call, a ``lax.fori_loop`` over
-microbatches) see :func:`jremat.microbatch`.
+`accumulate` wraps an optax optimizer to apply it once per `every_k` calls; its state is
+`optax.MultiStepsState`, which `has_updated`, `state_bytes` and `state_breakdown` inspect. For
+accumulation inside one jitted step see `jremat.microbatch`. Design, learning-rate scaling
+sources and BatchNorm: docs/design.md#accumulation-and-microbatching.
 """
 
 from __future__ import annotations
@@ -41,7 +37,7 @@ _LR_RULES = ("linear", "sqrt")
 
 
 # ----------------------------------------------------------------------------
-# BatchNorm warning, shared with jremat.microbatching.
+# BatchNorm warning, shared with microbatching.py.
 # ----------------------------------------------------------------------------
 
 _WARNED: set[str] = set()
@@ -72,13 +68,13 @@ def _path_has_batch_stats(path: tuple[Any, ...]) -> bool:
 
 
 def tree_has_batch_stats(tree: Any) -> bool:
-    """Whether any leaf of ``tree`` sits under a key or attribute named ``batch_stats``."""
+    """Whether any leaf of `tree` sits under a key or attribute named `batch_stats`."""
     paths = jax.tree_util.tree_flatten_with_path(tree)[0]
     return any(_path_has_batch_stats(path) for path, _ in paths)
 
 
 def warn_batch_stats_once(where: str, tree: Any) -> None:
-    """Warns (once per process and ``where``) if ``tree`` holds a ``batch_stats`` leaf.
+    """Warns (once per process and `where`) if `tree` holds a `batch_stats` leaf.
 
     Runs at trace time (Python side effect), so it costs nothing in the compiled step.
     """
@@ -147,22 +143,22 @@ def check_float_dtype(name: str, dtype: Any) -> jnp.dtype:
 
 
 def lr_scale_factor(k: Any, rule: str | None, reference_k: int = 1) -> Any:
-    """Learning-rate multiplier for an effective batch ``k / reference_k`` times larger.
+    """Learning-rate multiplier for an effective batch `k / reference_k` times larger.
 
     Args:
       k: micro-steps (or microbatches) per optimizer update; int or int array.
-      rule: ``None`` (factor 1), ``"linear"`` (``k / reference_k``; Goyal et al. 2017,
-        "Accurate, Large Minibatch SGD: Training ImageNet in 1 Hour") or ``"sqrt"``
-        (``sqrt(k / reference_k)``; Krizhevsky 2014, "One weird trick for parallelizing
+      rule: `None` (factor 1), `"linear"` (`k / reference_k`; Goyal et al. 2017,
+        "Accurate, Large Minibatch SGD: Training ImageNet in 1 Hour") or `"sqrt"`
+        (`sqrt(k / reference_k)`; Krizhevsky 2014, "One weird trick for parallelizing
         convolutional neural networks"; Hoffer et al. 2017, "Train longer, generalize
         better").
-      reference_k: the ``k`` the base learning rate was tuned for.
+      reference_k: the `k` the base learning rate was tuned for.
 
     Returns:
-      A Python float when ``k`` is a Python int, else a float32 scalar array.
+      A Python float when `k` is a Python int, else a float32 scalar array.
 
     Raises:
-      ValueError: unknown ``rule``.
+      ValueError: unknown `rule`.
 
     Example:
       >>> lr_scale_factor(4, "linear"), lr_scale_factor(4, "sqrt")
@@ -195,65 +191,65 @@ def accumulate(
     lr_scaling: Literal["linear", "sqrt"] | None = None,
     reference_k: int = 1,
 ) -> optax.GradientTransformationExtraArgs:
-    """Accumulates gradients over ``every_k`` calls and applies ``optimizer`` once.
+    """Accumulates gradients over `every_k` calls and applies `optimizer` once.
 
-    A thin, checked wrapper around ``optax.MultiSteps`` (the idea and the state come
-    from there).  Each ``update`` call is one *micro-step*: its gradients are folded
-    into an accumulator of dtype ``accumulator_dtype`` (mean by Welford's update, or
-    sum).  On micro-steps ``1 .. k-1`` of a cycle the returned updates are zeros of
-    the inner optimizer's update dtype (so ``optax.apply_updates`` leaves params
-    unchanged); on the ``k``-th the accumulated gradient is cast to the incoming
-    gradient dtype, passed to ``optimizer`` and its updates are returned.  With
-    ``reduction="mean"`` and equal microbatch sizes, ``k`` micro-steps on microbatches
-    of a batch equal one step of ``optimizer`` on the whole batch (for a loss that is a
+    A thin, checked wrapper around `optax.MultiSteps` (the idea and the state come
+    from there). Each `update` call is one *micro-step*: its gradients are folded
+    into an accumulator of dtype `accumulator_dtype` (mean by Welford's update, or
+    sum). On micro-steps `1 .. k-1` of a cycle the returned updates are zeros of
+    the inner optimizer's update dtype (so `optax.apply_updates` leaves params
+    unchanged); on the `k`-th the accumulated gradient is cast to the incoming
+    gradient dtype, passed to `optimizer` and its updates are returned. With
+    `reduction="mean"` and equal microbatch sizes, `k` micro-steps on microbatches
+    of a batch equal one step of `optimizer` on the whole batch (for a loss that is a
     mean over examples) up to float rounding.
 
     Schedules count optimizer updates: the wrapped optimizer's state (including the
-    ``count`` read by learning-rate schedules) only advances on the ``k``-th
-    micro-step, so a schedule ``lr(n)`` sees ``n`` = number of *optimizer updates*
-    done, not micro-steps. ``every_k`` as a callable also receives that count
-    (``state.gradient_step``).
+    `count` read by learning-rate schedules) only advances on the `k`-th
+    micro-step, so a schedule `lr(n)` sees `n` = number of *optimizer updates*
+    done, not micro-steps. `every_k` as a callable also receives that count
+    (`state.gradient_step`).
 
     Args:
-      optimizer: an ``optax.GradientTransformation`` (``init``/``update``); extra
-        keyword arguments of ``update`` (e.g. ``value=`` for line searches) pass through.
-      every_k: micro-steps per optimizer update: a positive ``int``, or a callable
-        ``gradient_step (int32 scalar) -> int scalar`` to vary the effective batch
+      optimizer: an `optax.GradientTransformation` (`init`/`update`); extra
+        keyword arguments of `update` (e.g. `value=` for line searches) pass through.
+      every_k: micro-steps per optimizer update: a positive `int`, or a callable
+        `gradient_step (int32 scalar) -> int scalar` to vary the effective batch
         over training.
-      reduction: ``"mean"`` (default) averages the micro-step gradients, ``"sum"``
-        adds them (``optax.MultiSteps(use_grad_mean=...)``).
-      accumulator_dtype: dtype of the accumulator, a floating dtype; ``jnp.float32``
-        (default) keeps bf16/f16 gradients exact-ish, ``jnp.bfloat16`` halves its
-        memory at a precision cost.  Returned updates keep the gradient dtype.
-      skip_non_finite: if ``True``, a micro-step whose gradients contain NaN or Inf is
-        dropped entirely (``optax.skip_not_finite``): accumulator and counters are left
+      reduction: `"mean"` (default) averages the micro-step gradients, `"sum"`
+        adds them (`optax.MultiSteps(use_grad_mean=...)`).
+      accumulator_dtype: dtype of the accumulator, a floating dtype; `jnp.float32`
+        (default) keeps bf16/f16 gradients exact-ish, `jnp.bfloat16` halves its
+        memory at a precision cost. Returned updates keep the gradient dtype.
+      skip_non_finite: if `True`, a micro-step whose gradients contain NaN or Inf is
+        dropped entirely (`optax.skip_not_finite`): accumulator and counters are left
         as they were and zero updates are returned, so the mean is over accepted
-        micro-steps and an update happens after ``k`` *accepted* micro-steps.
-      should_skip_update_fn: a custom ``optax.ShouldSkipUpdateFunction`` (e.g.
-        ``functools.partial(optax.skip_large_updates, max_squared_norm=...)``);
-        mutually exclusive with ``skip_non_finite``.
-      lr_scaling: ``None`` (default, off), ``"linear"`` or ``"sqrt"``: multiply the
-        emitted updates by ``k / reference_k`` (linear rule, Goyal et al. 2017) or its
-        square root (Krizhevsky 2014; Hoffer et al. 2017), ``k`` being the current
-        ``every_k``.  Multiplying the updates equals multiplying the learning rate for
+        micro-steps and an update happens after `k` *accepted* micro-steps.
+      should_skip_update_fn: a custom `optax.ShouldSkipUpdateFunction` (e.g.
+        `functools.partial(optax.skip_large_updates, max_squared_norm=...)`);
+        mutually exclusive with `skip_non_finite`.
+      lr_scaling: `None` (default, off), `"linear"` or `"sqrt"`: multiply the
+        emitted updates by `k / reference_k` (linear rule, Goyal et al. 2017) or its
+        square root (Krizhevsky 2014; Hoffer et al. 2017), `k` being the current
+        `every_k`. Multiplying the updates equals multiplying the learning rate for
         optimizers whose learning rate is a final scale (sgd, momentum, adam, adamw
         including its decoupled weight decay, lion, ...), not for ones using the
         learning rate inside their state (e.g. schedule-free).
-      reference_k: the ``every_k`` the base learning rate was tuned for (positive int,
+      reference_k: the `every_k` the base learning rate was tuned for (positive int,
         default 1: the learning rate was tuned for one microbatch).
 
     Returns:
-      An ``optax.GradientTransformationExtraArgs`` whose state is an
-      ``optax.MultiStepsState`` (``mini_step``, ``gradient_step`` int32 scalars;
-      ``inner_opt_state``; ``acc_grads`` like params in ``accumulator_dtype``;
-      ``skip_state``).
+      An `optax.GradientTransformationExtraArgs` whose state is an
+      `optax.MultiStepsState` (`mini_step`, `gradient_step` int32 scalars;
+      `inner_opt_state`; `acc_grads` like params in `accumulator_dtype`;
+      `skip_state`).
 
     Raises:
-      TypeError: ``optimizer`` is not a GradientTransformation; ``every_k`` is not a
-        positive int or an int-valued callable; ``accumulator_dtype`` is not floating;
-        ``should_skip_update_fn`` is not callable.
-      ValueError: ``every_k <= 0``; unknown ``reduction`` or ``lr_scaling``;
-        ``reference_k <= 0``; both ``skip_non_finite`` and ``should_skip_update_fn``.
+      TypeError: `optimizer` is not a GradientTransformation; `every_k` is not a
+        positive int or an int-valued callable; `accumulator_dtype` is not floating;
+        `should_skip_update_fn` is not callable.
+      ValueError: `every_k <= 0`; unknown `reduction` or `lr_scaling`;
+        `reference_k <= 0`; both `skip_non_finite` and `should_skip_update_fn`.
 
     Example:
       >>> import jax.numpy as jnp, optax
@@ -350,18 +346,21 @@ def _find_multisteps(state: Any, fn: str) -> MultiStepsState:
 
 
 def has_updated(state: Any) -> jax.Array:
-    """Whether the last ``update`` call applied the optimizer (bool scalar array).
+    """Whether the last `update` call applied the optimizer (bool scalar array).
 
-    Same rule as ``optax.MultiSteps.has_updated``: ``mini_step == 0`` and at least
-    one optimizer update done.  After a skipped micro-step (``skip_non_finite``) it
-    keeps the value it had.  Works under ``jit`` (returns a traced bool).
+    Same rule as `optax.MultiSteps.has_updated`: `mini_step == 0` and at least
+    one optimizer update done. After a skipped micro-step (`skip_non_finite`) it
+    keeps the value it had. Works under `jit` (returns a traced bool).
 
     Args:
-      state: an ``optax.MultiStepsState``, or a pytree (e.g. a chain's tuple state)
+      state: an `optax.MultiStepsState`, or a pytree (e.g. a chain's tuple state)
         holding exactly one.
 
+    Returns:
+      A bool scalar array.
+
     Raises:
-      TypeError: no or several ``MultiStepsState`` in ``state``.
+      TypeError: no or several `MultiStepsState` in `state`.
 
     Example:
       >>> import jax.numpy as jnp, optax
@@ -383,11 +382,17 @@ def _leaf_bytes(x: Any) -> int:
 
 
 def state_bytes(state: Any) -> int:
-    """Total bytes of the array leaves of ``state`` (an optimizer state or any pytree).
+    """Total bytes of the array leaves of `state` (an optimizer state or any pytree).
 
-    ``size * itemsize`` summed over leaves; works on concrete arrays and on
-    ``jax.ShapeDtypeStruct`` trees, e.g. ``state_bytes(jax.eval_shape(opt.init, params))``
-    sizes a state without allocating it.  Python scalars count as their NumPy size.
+    `size * itemsize` summed over leaves; works on concrete arrays and on
+    `jax.ShapeDtypeStruct` trees, e.g. `state_bytes(jax.eval_shape(opt.init, params))`
+    sizes a state without allocating it. Python scalars count as their NumPy size.
+
+    Args:
+      state: an optimizer state or any pytree of arrays, `ShapeDtypeStruct`s or scalars.
+
+    Returns:
+      The bytes, an int.
 
     Example:
       >>> import jax, jax.numpy as jnp, optax
@@ -403,12 +408,15 @@ def state_bytes(state: Any) -> int:
 def state_breakdown(state: Any) -> dict[str, int]:
     """Bytes of an accumulation state by part.
 
+    Args:
+      state: an `optax.MultiStepsState`, or a pytree holding exactly one.
+
     Returns:
-      ``{"inner": inner optimizer state, "accumulator": acc_grads,
-      "counters": mini_step + gradient_step, "skip": skip_state, "total": sum}``.
+      `{"inner": inner optimizer state, "accumulator": acc_grads,
+      "counters": mini_step + gradient_step, "skip": skip_state, "total": sum}`.
 
     Raises:
-      TypeError: ``state`` holds no or several ``MultiStepsState``.
+      TypeError: `state` holds no or several `MultiStepsState`.
     """
     s = _find_multisteps(state, "state_breakdown")
     parts = {

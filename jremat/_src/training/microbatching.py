@@ -1,20 +1,8 @@
 """In-step microbatching: value and gradient of a loss over k microbatches in one call.
 
-:func:`microbatch` turns ``loss_fn(params, batch, ...)`` into
-``(params, batch, ...) -> (loss, grads)`` that splits every leaf of ``batch`` along
-axis 0 into ``num_microbatches`` pieces and runs ``jax.value_and_grad`` on them one
-after the other inside a ``lax.fori_loop`` (``optax.microbatching.microbatch``),
-accumulating in float32.  Peak activation memory is that of one microbatch.
-
-Three reductions are exact with respect to the unsplit batch:
-
-* ``"mean"``: ``loss_fn`` returns the mean over its examples; result equals
-  ``jax.value_and_grad(loss_fn)(params, batch)``.
-* ``"sum"``: ``loss_fn`` returns a sum over its examples; same equality.
-* ``"weighted"``: ``loss_fn`` returns ``(sum_of_losses, count)`` (e.g. token losses
-  and the number of unmasked tokens); result is ``sum / count`` of the full batch
-  and its gradient, exact even when the counts differ between microbatches, where
-  averaging microbatch means ``sum_j / count_j`` would be wrong.
+`microbatch` runs `jax.value_and_grad` on k microbatches inside a `lax.fori_loop`
+(`optax.microbatching.microbatch`), exact for mean, sum and count-weighted losses; why:
+docs/design.md#accumulation-and-microbatching.
 """
 
 from __future__ import annotations
@@ -150,69 +138,69 @@ def microbatch(
     aux_reduction: Any = "mean",
     accumulator_dtype: Any = None,
 ) -> Callable[..., tuple[Any, Any]]:
-    """Value and gradient of ``loss_fn`` accumulated over microbatches in one step.
+    """Value and gradient of `loss_fn` accumulated over microbatches in one step.
 
-    The returned function ``f(params, batch, *args, **kwargs)`` splits every leaf of
-    ``batch`` along axis 0 into ``num_microbatches`` equal pieces, calls
-    ``jax.value_and_grad(loss_fn)(params, piece, *args, **kwargs)`` on each inside a
-    ``lax.fori_loop`` (via ``optax.microbatching.microbatch``), and combines the
-    results.  ``args``/``kwargs`` are passed unchanged to every microbatch (so an RNG
-    key passed there is the same for all; put per-example keys in ``batch``).  It
-    only calls ``loss_fn``, so any JAX function works, including ones rewritten by
-    ``jax.checkpoint``/jremat.  Wrap the result in ``jax.jit``.
+    The returned function `f(params, batch, *args, **kwargs)` splits every leaf of
+    `batch` along axis 0 into `num_microbatches` equal pieces, calls
+    `jax.value_and_grad(loss_fn)(params, piece, *args, **kwargs)` on each inside a
+    `lax.fori_loop` (via `optax.microbatching.microbatch`), and combines the
+    results. `args`/`kwargs` are passed unchanged to every microbatch (so an RNG
+    key passed there is the same for all; put per-example keys in `batch`). It
+    only calls `loss_fn`, so any JAX function works, including ones rewritten by
+    `jax.checkpoint`/jremat. Wrap the result in `jax.jit`.
 
-    Microbatch ``j`` holds rows ``j, j + k, j + 2k, ...`` of the batch (optax's
+    Microbatch `j` holds rows `j, j + k, j + 2k, ...` of the batch (optax's
     strided split, which keeps a batch-axis sharding local to each device); the
-    order only matters for per-microbatch aux (``"last"``, ``"stack"``) and for
+    order only matters for per-microbatch aux (`"last"`, `"stack"`) and for
     batch-dependent layers such as BatchNorm.
 
-    Gradients and loss are accumulated in ``accumulator_dtype`` and cast back to
-    the dtype ``loss_fn`` produced (that of params for the gradients), so bf16
+    Gradients and loss are accumulated in `accumulator_dtype` and cast back to
+    the dtype `loss_fn` produced (that of params for the gradients), so bf16
     models accumulate in float32 by default.
 
-    BatchNorm: if ``params`` or ``aux`` contain a ``batch_stats`` collection, a
+    BatchNorm: if `params` or `aux` contain a `batch_stats` collection, a
     warning is shown once: each microbatch normalizes with its own statistics (over
-    ``batch / k`` examples), so the result is the exact full-batch value only for
-    batch-independent models.  Every microbatch starts from the same incoming
-    ``batch_stats``; ``aux_reduction="mean"`` then returns the mean of the k
+    `batch / k` examples), so the result is the exact full-batch value only for
+    batch-independent models. Every microbatch starts from the same incoming
+    `batch_stats`; `aux_reduction="mean"` then returns the mean of the k
     updated running averages, i.e. one running-average update with the mean of the
     microbatch statistics (mean of means is the full-batch mean; the variance is the
-    average within-microbatch variance).  ``"last"`` keeps the last microbatch's,
-    ``"stack"`` returns all k to combine yourself.
+    average within-microbatch variance). `"last"` keeps the last microbatch's,
+    `"stack"` returns all k to combine yourself.
 
     Args:
-      loss_fn: ``loss_fn(params, batch, *args, **kwargs)`` returning, for
-        ``reduction="mean"``, the mean loss over the examples of ``batch`` (scalar);
-        for ``"sum"``, the summed loss (scalar); for ``"weighted"``, a pair
-        ``(sum_of_losses, count)`` of scalars where ``count`` (int or float, the
-        number of tokens / unmasked positions) does not depend on ``params``.  With
-        ``has_aux=True`` it returns ``(value, aux)`` where ``value`` is as above.
-      num_microbatches: ``k``, a positive int dividing the batch size.
-      reduction: ``"mean"`` (default), ``"sum"`` or ``"weighted"`` as above.
-      has_aux: whether ``loss_fn`` returns ``(value, aux)``.
-      aux_reduction: how the k per-microbatch ``aux`` pytrees are combined:
-        ``"mean"`` (default; float leaves only), ``"sum"``, ``"last"`` (the last
-        microbatch's), ``"stack"`` (new leading axis of size k); or a pytree prefix of
-        ``aux`` with these strings as leaves, e.g. ``{"batch_stats": "mean",
-        "n_correct": "sum"}``.
-      accumulator_dtype: floating dtype of the gradient/loss accumulators; ``None``
+      loss_fn: `loss_fn(params, batch, *args, **kwargs)` returning, for
+        `reduction="mean"`, the mean loss over the examples of `batch` (scalar);
+        for `"sum"`, the summed loss (scalar); for `"weighted"`, a pair
+        `(sum_of_losses, count)` of scalars where `count` (int or float, the
+        number of tokens / unmasked positions) does not depend on `params`. With
+        `has_aux=True` it returns `(value, aux)` where `value` is as above.
+      num_microbatches: `k`, a positive int dividing the batch size.
+      reduction: `"mean"` (default), `"sum"` or `"weighted"` as above.
+      has_aux: whether `loss_fn` returns `(value, aux)`.
+      aux_reduction: how the k per-microbatch `aux` pytrees are combined:
+        `"mean"` (default; float leaves only), `"sum"`, `"last"` (the last
+        microbatch's), `"stack"` (new leading axis of size k); or a pytree prefix of
+        `aux` with these strings as leaves, e.g. `{"batch_stats": "mean",
+        "n_correct": "sum"}`.
+      accumulator_dtype: floating dtype of the gradient/loss accumulators; `None`
         (default) uses the wider of each value's dtype and float32.
 
     Returns:
-      ``f(params, batch, *args, **kwargs) -> (loss, grads)``, or
-      ``((loss, aux), grads)`` with ``has_aux``, like ``jax.value_and_grad``:
-      ``loss`` is the full-batch mean (``"mean"``), sum (``"sum"``) or
-      ``sum / count`` (``"weighted"``; NaN if the total count is 0, as unsplit);
-      ``grads`` has the structure and dtypes of ``params``.
+      `f(params, batch, *args, **kwargs) -> (loss, grads)`, or
+      `((loss, aux), grads)` with `has_aux`, like `jax.value_and_grad`:
+      `loss` is the full-batch mean (`"mean"`), sum (`"sum"`) or
+      `sum / count` (`"weighted"`; NaN if the total count is 0, as unsplit);
+      `grads` has the structure and dtypes of `params`.
 
     Raises:
-      TypeError: ``loss_fn`` not callable; ``num_microbatches`` not an int;
-        ``has_aux`` not a bool; ``"weighted"`` ``loss_fn`` not returning a pair of
-        scalars; ``aux_reduction="mean"`` on a non-float aux leaf.
-      ValueError: ``num_microbatches <= 0``; unknown ``reduction`` or
-        ``aux_reduction``; at call time, a ``batch`` leaf that is not an array with a
+      TypeError: `loss_fn` not callable; `num_microbatches` not an int;
+        `has_aux` not a bool; `"weighted"` `loss_fn` not returning a pair of
+        scalars; `aux_reduction="mean"` on a non-float aux leaf.
+      ValueError: `num_microbatches <= 0`; unknown `reduction` or
+        `aux_reduction`; at call time, a `batch` leaf that is not an array with a
         leading axis, leaves with different leading sizes, or a batch size that
-        ``num_microbatches`` does not divide (the message lists accepted values).
+        `num_microbatches` does not divide (the message lists accepted values).
 
     Example:
       >>> import jax, jax.numpy as jnp

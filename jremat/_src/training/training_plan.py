@@ -1,20 +1,9 @@
 """`plan_training`: choose microbatching and rematerialization for a train step under a budget.
 
-Two ways cut the activation memory of a training step:
-
-* gradient accumulation over ``k`` microbatches inside the step
-  (:func:`jremat.microbatch`, the in-step form of ``optax.MultiSteps``): peak activations are
-  those of one microbatch of ``batch / k`` examples, for about the same FLOPs;
-* rematerialization (Chen et al. 2016, "Training Deep Nets with Sublinear Memory Cost",
-  arXiv:1604.06174) of the loss on one microbatch (:func:`jremat.plan`): fewer saved
-  activations, paid for with recomputation in the backward pass.
-
-:func:`plan_training` compiles the whole train step for each configuration it considers
-(``jit`` of the microbatched, possibly rematerialized ``value_and_grad``, then
-``optimizer.update`` and ``optax.apply_updates`` when an optimizer is given), reads XLA's
-footprint (``memory_analysis()``: argument + output - alias + temp bytes) and FLOPs
-(``cost_analysis()["flops"]``, with loop bodies counted once per trip), and keeps the
-configuration that fits the byte budget with the fewest FLOPs (ties: fewer microbatches).
+Compiles the whole train step per configuration (k microbatches, a remat plan on one
+microbatch; Chen et al. 2016, arXiv:1604.06174) and keeps the one that fits the byte budget
+with the fewest FLOPs. Why both, and what is compiled:
+docs/design.md#accumulation-and-microbatching.
 """
 
 from __future__ import annotations
@@ -44,24 +33,24 @@ DEFAULT_REMAT_BUDGETS = (0.5, 0.25)
 
 @dataclasses.dataclass
 class TrainingPlan:
-    """The configuration :func:`plan_training` chose, and what it measured.
+    """The configuration `plan_training` chose, and what it measured.
 
     Attributes:
-      num_microbatches: ``k``, the number of microbatches the batch is split into (along
+      num_microbatches: `k`, the number of microbatches the batch is split into (along
         axis 0) inside one step; 1 means no microbatching.
-      plan: the rematerialization :class:`jremat.Plan` of ``loss_fn`` on one microbatch
-        (shapes ``batch / k``), or None for no rematerialization.
+      plan: the rematerialization `jremat.Plan` of `loss_fn` on one microbatch
+        (shapes `batch / k`), or None for no rematerialization.
       predicted_footprint_bytes: compiled footprint of the chosen train step in bytes
-        (argument + output - alias + temp, from ``compiled.memory_analysis()``).
-      flops: compiled FLOPs of the chosen train step (``cost_analysis()["flops"]``, loop
+        (argument + output - alias + temp, from `compiled.memory_analysis()`).
+      flops: compiled FLOPs of the chosen train step (`cost_analysis()["flops"]`, loop
         bodies counted once per trip).
       alternatives: one dict per configuration considered, in the order compiled:
-        ``{"k": int, "remat_budget": float | None, "footprint_bytes": int | None,
-        "temp_bytes": int | None, "flops": float | None, "fits": bool}`` (plus ``"error"``,
+        `{"k": int, "remat_budget": float | None, "footprint_bytes": int | None,
+        "temp_bytes": int | None, "flops": float | None, "fits": bool}` (plus `"error"`,
         a message, when planning that configuration failed; its bytes and flops are None).
-      value_and_grad: ``(params, batch) -> (loss, grads)`` to call inside the jitted train
-        step: the full-batch mean loss (scalar, dtype of ``loss_fn``'s output) and gradients
-        (structure and dtypes of ``params``), computed over ``num_microbatches`` microbatches
+      value_and_grad: `(params, batch) -> (loss, grads)` to call inside the jitted train
+        step: the full-batch mean loss (scalar, dtype of `loss_fn`'s output) and gradients
+        (structure and dtypes of `params`), computed over `num_microbatches` microbatches
         with the rematerialized loss.
       budget_bytes: the byte budget the plan was made for.
     """
@@ -162,57 +151,57 @@ def plan_training(
     candidates: Iterable[int] | None = None,
     remat_budgets: Sequence[float] = DEFAULT_REMAT_BUDGETS,
 ) -> TrainingPlan:
-    """Choose microbatches and rematerialization so the compiled train step fits ``budget``.
+    """Choose microbatches and rematerialization so the compiled train step fits `budget`.
 
-    For each number of microbatches ``k`` in ``candidates`` (ascending) it compiles the train
+    For each number of microbatches `k` in `candidates` (ascending) it compiles the train
     step without rematerialization; if that does not fit, it plans rematerialization of
-    ``loss_fn`` on one microbatch with ``jremat.plan(loss_fn, params, micro_batch,
-    budget=f)`` for each fraction ``f`` of ``remat_budgets`` (Chen et al. 2016), and compiles
-    the step with each plan until one fits. It stops after the first ``k`` whose step fits
-    without rematerialization (larger ``k`` then only adds loop overhead, and
+    `loss_fn` on one microbatch with `jremat.plan(loss_fn, params, micro_batch,
+    budget=f)` for each fraction `f` of `remat_budgets` (Chen et al. 2016), and compiles
+    the step with each plan until one fits. It stops after the first `k` whose step fits
+    without rematerialization (larger `k` then only adds loop overhead, and
     rematerialization only adds FLOPs). Among the configurations that fit it returns the one
     with the fewest compiled FLOPs, ties going to fewer microbatches.
 
-    The train step compiled is ``jax.jit`` of::
+    The train step compiled is `jax.jit` of:
 
         loss, grads = value_and_grad(params, batch)              # microbatched, remat'd
         updates, opt_state = optimizer.update(grads, opt_state, params)
         params = optax.apply_updates(params, updates)            # -> (params, opt_state, loss)
 
-    with ``params`` and ``opt_state`` donated (``donate_argnums=(0, 1)``), or, without an
-    optimizer, ``jax.jit(value_and_grad)`` (returning loss and grads). Write your step the
+    with `params` and `opt_state` donated (`donate_argnums=(0, 1)`), or, without an
+    optimizer, `jax.jit(value_and_grad)` (returning loss and grads). Write your step the
     same way (donating too) for the predicted footprint to hold. Gradient accumulation is
-    the in-step form of ``optax.MultiSteps`` (see :func:`jremat.microbatch`); the result
-    equals ``jax.value_and_grad(loss_fn)(params, batch)`` up to float rounding.
+    the in-step form of `optax.MultiSteps` (see `jremat.microbatch`); the result
+    equals `jax.value_and_grad(loss_fn)(params, batch)` up to float rounding.
 
     Args:
-      loss_fn: ``loss_fn(params, batch) -> scalar`` floating-point loss, the **mean** over
-        the examples of ``batch`` (so that the mean of microbatch means is the batch mean).
-      params: pytree of floating arrays (or ``jax.ShapeDtypeStruct``), differentiated.
-      batch: pytree of arrays (or ``ShapeDtypeStruct``) sharing a leading batch axis of size
-        ``B``; only shapes and dtypes are used.
-      budget: the step's device memory cap in bytes: an int, a string such as ``"64MiB"`` or
-        ``"1GB"`` (:func:`jremat.parse_budget`), or ``"auto"`` (free device memory).
-      optimizer: an ``optax.GradientTransformation`` whose update is part of the step (its
-        state, ``optimizer.init(params)``, then counts in the footprint), or None.
-      candidates: numbers of microbatches to consider, each dividing ``B``; default the
-        powers of two dividing ``B`` (1, 2, 4, ...).
+      loss_fn: `loss_fn(params, batch) -> scalar` floating-point loss, the **mean** over
+        the examples of `batch` (so that the mean of microbatch means is the batch mean).
+      params: pytree of floating arrays (or `jax.ShapeDtypeStruct`), differentiated.
+      batch: pytree of arrays (or `ShapeDtypeStruct`) sharing a leading batch axis of size
+        `B`; only shapes and dtypes are used.
+      budget: the step's device memory cap in bytes: an int, a string such as `"64MiB"` or
+        `"1GB"` (`jremat.parse_budget`), or `"auto"` (free device memory).
+      optimizer: an `optax.GradientTransformation` whose update is part of the step (its
+        state, `optimizer.init(params)`, then counts in the footprint), or None.
+      candidates: numbers of microbatches to consider, each dividing `B`; default the
+        powers of two dividing `B` (1, 2, 4, ...).
       remat_budgets: fractions in (0, 1] of one microbatch's unrematerialized temp bytes to
         try for rematerialization, in order; default (0.5, 0.25). Empty: no remat.
 
     Returns:
-      A :class:`TrainingPlan`.
+      A `TrainingPlan`.
 
     Raises:
-      ValueError: ``budget`` is a fraction (a fraction is relative to one program's temp
+      ValueError: `budget` is a fraction (a fraction is relative to one program's temp
         bytes, and the programs compared here differ, so it has no common meaning) or
-        otherwise invalid; a candidate that does not divide ``B``; a batch without a common
+        otherwise invalid; a candidate that does not divide `B`; a batch without a common
         leading axis.
       InfeasibleBudgetError: no configuration fits; the message and its
-        ``smallest_reachable`` give the smallest footprint found (bytes), and
-        ``smallest_reachable_bytes`` that configuration's temp bytes.
-      TypeError: ``loss_fn`` does not return a scalar float; ``optimizer`` has no
-        ``init``/``update``.
+        `smallest_reachable` give the smallest footprint found (bytes), and
+        `smallest_reachable_bytes` that configuration's temp bytes.
+      TypeError: `loss_fn` does not return a scalar float; `optimizer` has no
+        `init`/`update`.
     """
     spec = parse_budget(budget)
     if spec.fraction is not None:

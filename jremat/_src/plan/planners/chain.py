@@ -1,18 +1,9 @@
 """Chain planner: dynamic programming over cut points and per-segment save sets.
 
-Chen et al., "Training Deep Nets with Sublinear Memory Cost" (2016) cut a chain into sqrt(n)
-segments and recompute each; Griewank & Walther's revolve (2000) and Rotor (Beaumont et al.,
-"Optimal checkpointing for heterogeneous chains", 2019) solve the same chain problem optimally by
-dynamic programming; Rockmate (Zhao et al., ICML 2023) adds per-block save sets. This planner is
-that DP over the traced program's cut candidates: each segment is kept (no checkpoint) or
-checkpointed with one of the save sets in `SAVE_OPTIONS` (nothing, dots without batch dims,
-expensive results, all dots), and the peak is modelled as
-
-    peak = max_i ( sum_{j <= i} stored_j  +  transient_i ),
-
-the stores of every earlier segment plus what segment i's backward holds. JAX's built-in policies
-applied per layer and sqrt(n) segmentations are points of this space, so the DP never
-recomputes more than they do at the same predicted memory.
+Chen et al., "Training Deep Nets with Sublinear Memory Cost" (2016); Griewank & Walther,
+revolve (2000); Rotor (Beaumont et al., "Optimal checkpointing for heterogeneous chains",
+2019); Rockmate (Zhao et al., ICML 2023) for per-block save sets. The model, its peak and the
+DP's discretization: docs/design.md#planners.
 """
 
 from __future__ import annotations

@@ -1,19 +1,8 @@
 """Simulated Dynamic Tensor Rematerialization (DTR) turned into a static plan.
 
-Kirisame et al., "Dynamic Tensor Rematerialization", ICLR 2021: run the program under a memory
-cap; when it is exceeded, evict the resident tensor with the smallest
-
-    h(t) = cost(t) / (bytes(t) x staleness(t)),
-
-where cost is the compute needed to bring t back, including its evicted ancestors (the paper's
-equivalence-class approximation, h_DTR-eq); recompute evicted tensors on demand.
-
-jremat runs that policy at trace time over the forward schedule and the reversed backward
-schedule of the traced graph, with the cost model's bytes and FLOPs. "Dynamic" here means the
-plan is recomputed for every input shape signature and budget (`jremat.auto` caches one per
-signature), not at run time: XLA programs are static. The evictions become the plan: the
-residuals DTR never evicted are saved (by name) inside each layer's checkpoint segment, the
-rest are recomputed; a layer where nothing was evicted is kept unrematerialized.
+Kirisame et al., "Dynamic Tensor Rematerialization", ICLR 2021: evict the resident tensor with
+the smallest h(t) = cost(t) / (bytes(t) x staleness(t)), run at trace time over the forward
+and backward schedule; the evictions become the plan. Details: docs/design.md#planners.
 """
 
 from __future__ import annotations
@@ -23,7 +12,7 @@ from jremat._src.plan.planners.chain import ChainPlanner
 
 
 class DTRPlanner(ChainPlanner):
-    """DTR simulation (see the module docstring); segments are the model's layers. DTR evicts
+    """DTR simulation (docs/design.md#planners); segments are the model's layers. DTR evicts
     or keeps; it never offloads to host memory, so an `offload` cost is ignored."""
 
     name = "dtr"

@@ -1,12 +1,8 @@
 """Greedy planner: a cost-per-byte knapsack over save sets, on the model's layer segments.
 
 The idea behind PyTorch's activation memory budget (`torch._functorch.config.
-activation_memory_budget`, 2024): start from the cheapest-memory choice and buy back
-recomputation where it saves the most FLOPs per byte stored, until the budget is spent. Here
-the items are per-segment upgrades along `keep > dots > expensive > dots_no_batch > nothing`
-on a fixed segmentation (the layers, or the chain DP's min-memory cuts without layer names).
-With an `OffloadCost`, `offload_dots` sits just above `nothing` (the same modelled memory) and
-is bought when its transfer costs fewer FLOP-equivalents than the recompute it spares.
+activation_memory_budget`, 2024): buy back recomputation where it saves the most FLOPs per
+byte stored, until the budget is spent. Details: docs/design.md#planners.
 """
 
 from __future__ import annotations
@@ -17,7 +13,7 @@ from jremat._src.plan.planners.segments import KEEP_OPTION
 
 
 class GreedyPlanner(ChainPlanner):
-    """Knapsack greedy over per-segment save options (see the module docstring)."""
+    """Knapsack greedy over per-segment save options (docs/design.md#planners)."""
 
     name = "greedy"
 

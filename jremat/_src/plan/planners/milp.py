@@ -1,23 +1,8 @@
 """Exact planner: a mixed-integer program over segments and save sets, solved with HiGHS.
 
 Checkmate (Jain et al., "Checkmate: Breaking the Memory Wall with Optimal Tensor
-Rematerialization", MLSys 2020) states rematerialization as an integer program and solves it
-exactly. jremat's decision space is segments with save sets (what `jax.checkpoint` can
-express), so the program here is Checkmate's idea on that space: binary x[k, a, b] = "segment
-(a, b) is taken with option k", a path from the first cut to the last, and S[c] = bytes stored
-before cut c, which on a path is a linear expression of x (the segments that end at or before c):
-
-    min  sum cost[k,a,b] x[k,a,b]       (recompute FLOPs; offload transfers as FLOP-equivalents)
-    s.t. flow: one segment leaves cut 0, one enters the last cut, in = out at every other cut
-         S[c] = sum_{k, a' < b' <= c} stored[k,a',b'] x[k,a',b']
-         S[a] + (stored[k,a,b] + transient[k,a,b]) x[k,a,b] <= B  (peak within the budget)
-
-The peak row is exact when x = 1 and reads S[a] <= B when x = 0, which every feasible plan
-satisfies anyway; so there is no big-M and the LP relaxation is tight enough for HiGHS to
-prove optimality on layer-level graphs within a second. It is the chain DP's model solved
-without memory discretization, so its objective is the optimum of that model: the reference
-for the heuristics. HiGHS (`highspy`) solves it under a time limit, starting from the best
-heuristic plan (chain DP, greedy) as incumbent, and reports the optimality gap.
+Rematerialization", MLSys 2020) on jremat's segment model: the reference optimum for the
+heuristics. The program (no big-M) and why HiGHS proves it fast: docs/design.md#planners.
 """
 
 from __future__ import annotations

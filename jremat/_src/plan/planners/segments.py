@@ -1,8 +1,8 @@
-"""Cut-point candidates and per-segment costs shared by the planners.
+"""Cut-point candidates and the segment model the planners share (`SegmentTable`): each
+segment's stored, transient and recompute costs under every save option.
 
-A cut at position `p` falls between node `p - 1` and node `p`. The values crossing it are those
-produced before `p` and consumed at or after `p` (or returned); good cuts are where few bytes
-cross (Chen et al. 2016 cut at the articulation points of the chain).
+Chen et al. 2016 cut at the articulation points of the chain; the model and its modelled
+peak: docs/design.md#planners.
 """
 
 from __future__ import annotations
@@ -89,7 +89,7 @@ SAVE_OPTIONS: dict[str, Callable[[Graph, int], bool]] = {
 
 
 #: Host-offload options: name -> the `SAVE_OPTIONS` entry whose values the segment offloads
-#: to pinned host memory instead of saving them on the device (`jremat.offload`). Planners
+#: to pinned host memory instead of saving them on the device (`jremat.OffloadCost`). Planners
 #: consider them only when given an `OffloadCost`.
 OFFLOAD_OPTIONS: dict[str, str] = {"offload_dots": "dots"}
 
