@@ -259,6 +259,37 @@ def test_plan_used_with_other_shapes_raises_plan_mismatch(cache):
     assert issubclass(jremat.PlanMismatchError, ValueError)
 
 
+def _sin_cos(a, b):
+    return jnp.sum(jnp.sin(a) * jnp.cos(b))
+
+
+def _cos_sin(a, b):  # the same primitives on the same shapes, wired the other way round
+    return jnp.sum(jnp.sin(b) * jnp.cos(a))
+
+
+def test_plan_for_another_wiring_of_the_same_primitives_raises_plan_mismatch(tmp_path):
+    from jremat._src.plan.plan import KEEP, Plan, Segment
+
+    a, b = jnp.linspace(0.0, 1.0, 64).reshape(8, 8), jnp.linspace(1.0, 2.0, 64).reshape(8, 8)
+    g, other = jremat.trace(_sin_cos, a, b), jremat.trace(_cos_sin, a, b)
+    assert [n.primitive for n in g.nodes] == [n.primitive for n in other.nodes]
+    assert [v.shape for v in g.values] == [v.shape for v in other.values]
+    assert g.fingerprint != other.fingerprint  # which value feeds which equation counts
+    plan = Plan(
+        [Segment(0, 3, "nothing_saveable"), Segment(3, g.num_nodes, KEEP)],
+        g.fingerprint,
+        g.num_nodes,
+    )
+    plan.save(tmp_path / "plan.json")
+    loaded = jremat.Plan.load(tmp_path / "plan.json")
+    for p in (plan, loaded):  # a saved and loaded plan still matches its own program
+        np.testing.assert_allclose(
+            jax.grad(jremat.rematerialize(_sin_cos, p))(a, b), jax.grad(_sin_cos)(a, b), rtol=1e-6
+        )
+        with pytest.raises(jremat.PlanMismatchError, match="wiring"):
+            jax.grad(jremat.rematerialize(_cos_sin, p))(a, b)
+
+
 def test_plan_of_another_function_raises_plan_mismatch(cache):
     m = cache.model("mlp_chain")
     plan = recipe_plan(jremat.trace(m.loss, *m.args), "nothing_saveable", "layers")

@@ -23,7 +23,7 @@ from jremat._src.base import budget as budget_module
 from jremat._src.base.args import abstract_args
 from jremat._src.frontends.blocks import disabled
 from jremat._src.frontends.cache import PlanCache
-from jremat._src.trace.graph import build_graph
+from jremat._src.trace.graph import build_graph, signature
 
 
 class Block(nn.Module):
@@ -92,19 +92,130 @@ from jremat._src.trace.graph import build_graph
 def _tiny_loss(w, x):
     return jnp.mean(jnp.tanh(x @ w) ** 2)
 args = abstract_args((jnp.ones((8, 8)), jnp.ones((4, 8))))
-print(PlanCache(0.5).key(build_graph(_tiny_loss, args), args)[0])
+graph = build_graph(_tiny_loss, args)
+print(PlanCache(0.5).key(graph, args)[0], graph.fingerprint)
 """
 
 
 def test_keys_are_stable_across_processes():
     args = abstract_args((jnp.ones((8, 8)), jnp.ones((4, 8))))
-    key, sig = PlanCache(0.5).key(build_graph(_tiny_loss, args), args)
+    graph = build_graph(_tiny_loss, args)
+    key, sig = PlanCache(0.5).key(graph, args)
     out = subprocess.run(
         [sys.executable, "-c", _KEY_SCRIPT], check=True, capture_output=True, text=True
     )
-    assert out.stdout.strip() == key
+    assert out.stdout.split() == [key, graph.fingerprint]  # the fingerprint too
     assert sig == "float32[8,8] float32[4,8]"
     assert PlanCache(0.4).key(build_graph(_tiny_loss, args), args)[0] != key
+
+
+def _sin_cos(a, b):
+    return jnp.mean(jnp.sin(a) * jnp.cos(b))
+
+
+def _cos_sin(a, b):  # the same primitives on the same shapes, wired the other way round
+    return jnp.mean(jnp.sin(b) * jnp.cos(a))
+
+
+def test_keys_tell_apart_programs_wired_differently():
+    args = abstract_args((jnp.ones((8, 8)), jnp.ones((8, 8))))
+    g, other = build_graph(_sin_cos, args), build_graph(_cos_sin, args)
+    assert [n.primitive for n in g.nodes] == [n.primitive for n in other.nodes]
+    assert g.fingerprint != other.fingerprint
+    assert PlanCache(0.5).key(g, args)[0] != PlanCache(0.5).key(other, args)[0]
+
+
+def test_one_signature_for_keys_and_descriptions():
+    w, x = jnp.ones((8, 8)), jnp.ones((4, 8), jnp.int32)
+    sig = signature((w, x, 2.0))
+    assert sig == signature((w + 1, x, 3.0)) and hash(sig) == hash(signature((w + 1, x, 3.0)))
+    assert sig != signature((w, x, jnp.float32(2.0)))  # weak (Python) vs committed scalar
+    assert sig != signature(((w, x), 2.0))  # tree structure
+    assert sig != signature((w[:4], x, 2.0))
+    assert sig.description == "float32[8,8] int32[4,8] float[]{weak}" and sig.sharding == ()
+    avals = abstract_args((w, x, 2.0))
+    assert signature(avals).description == "float32[8,8] int32[4,8] float32[]{weak}"
+    # PlanCache keys describe the planned arguments with it
+    assert PlanCache(0.5).key(build_graph(lambda w, x, s: jnp.sum(w) * s, avals), avals)[1] == (
+        signature(avals).description
+    )
+
+
+def _mlp_loss(params, x):
+    for w1, w2 in params:
+        h = x * jax.lax.rsqrt((x * x).mean(-1, keepdims=True) + 1e-5)
+        x = x + jnp.tanh(h @ w1) @ w2
+    return jnp.mean(x**2)
+
+
+def test_auto_traces_the_function_once_per_signature(monkeypatch):
+    """The user function's Python body runs once per trace. JAX caches traces of the same
+    function at the same avals, which would hide repeated traces, so every `make_jaxpr` and
+    `eval_shape` here traces afresh (through a new lambda) and is counted.
+
+    On `auto`'s first call (verify=False: the only compile is the unrematerialized step) the
+    body runs exactly twice: once for the jaxpr the `Graph` is built from (keyed, planned and
+    run from that one graph), and once when `jit(value_and_grad(fn))` is compiled for the
+    baseline temp bytes (JAX traces the differentiated body itself; no jaxpr of fn serves it).
+    A second call of the same signature runs the planned graph and traces nothing."""
+    runs = []
+    make_jaxpr, eval_shape = jax.make_jaxpr, jax.eval_shape
+
+    def uncached_make_jaxpr(fn, *a, **k):
+        return make_jaxpr(lambda *x, **kw: fn(*x, **kw), *a, **k)
+
+    def uncached_eval_shape(fn, *a, **k):
+        return eval_shape(lambda *x, **kw: fn(*x, **kw), *a, **k)
+
+    monkeypatch.setattr(jax, "make_jaxpr", uncached_make_jaxpr)
+    monkeypatch.setattr(jax, "eval_shape", uncached_eval_shape)
+
+    def loss(params, x):
+        runs.append(1)
+        return _mlp_loss(params, x)
+
+    keys = jax.random.split(jax.random.key(0), 7)
+    params = [
+        (
+            jax.random.normal(keys[2 * i], (8, 64)) / 3,
+            jax.random.normal(keys[2 * i + 1], (64, 8)) / 8,
+        )
+        for i in range(3)
+    ]
+    x = jax.random.normal(keys[6], (512, 8))
+    f = jremat.auto(loss, budget=0.5, verify=False)
+    g = jax.grad(f)(params, x)
+    (p,) = f.plans.values()
+    assert not p.is_identity  # run from the graph under a plan, not as fn itself
+    assert len(runs) == 2, "traced more than once for the graph and once for the baseline step"
+    g2 = jax.grad(f)(params, x)
+    assert len(runs) == 2
+    runs.clear()
+    want = jax.grad(loss)(params, x)
+    for got in (g, g2):
+        for a, b in zip(
+            jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want), strict=True
+        ):
+            np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_auto_parses_its_budget_once(monkeypatch):
+    parses = []
+    pattern = budget_module._PATTERN
+
+    class Counting:
+        def match(self, text):
+            parses.append(text)
+            return pattern.match(text)
+
+    monkeypatch.setattr(budget_module, "_PATTERN", Counting())
+    loss = jremat.auto(budget="64GiB")(_tiny_loss)  # the decorator form: auto() twice
+    w, x = jnp.ones((8, 8)) / 8, jnp.ones((4, 8))
+    jax.grad(loss)(w, x)
+    loss(w, x)
+    assert parses == ["64GiB"]
+    (p,) = loss.plans.values()
+    assert p.budget == "64GiB" and loss.plan_cache.budget == "64GiB"
 
 
 def test_function_plan_dir_and_budget_auto_read_when_planning(tmp_path, monkeypatch):
@@ -118,6 +229,7 @@ def test_function_plan_dir_and_budget_auto_read_when_planning(tmp_path, monkeypa
     w, x = jnp.ones((8, 8)) / 8, jnp.ones((4, 8))
     loss = jremat.auto(_tiny_loss, budget="auto", plan_dir=tmp_path)
     at_decoration = len(calls)  # validated when decorating
+    assert at_decoration == 1  # once: PlanCache takes the parsed budget
     g = jax.grad(loss)(w, x)
     assert len(calls) == at_decoration + 1  # read again when the signature is planned
     np.testing.assert_allclose(g, jax.grad(_tiny_loss)(w, x), rtol=1e-6)

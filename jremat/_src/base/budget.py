@@ -49,6 +49,12 @@ class Budget:
     fraction: float | None = None
     footprint_bytes: int | None = None
 
+    @property
+    def is_auto(self) -> bool:
+        """Whether this is `"auto"`: the free memory at parse time, so parse the raw budget
+        again (`parse_budget(b.raw)`) where the memory free *now* matters."""
+        return isinstance(self.raw, str) and self.raw.strip().lower() == "auto"
+
     def temp_bytes(self, baseline_temp: int, fixed_bytes: int) -> float:
         """The budget as XLA temp bytes, given the unrematerialized temp and the fixed bytes
         (argument + output - alias) of the step."""
@@ -74,6 +80,9 @@ def _bad(budget: Any, why: str) -> ValueError:
 
 def parse_budget(budget: Any) -> Budget:
     """Parse a budget in any accepted form (see the module docstring).
+
+    A `Budget` (already parsed) is returned as it is, so callers parse once and pass the result
+    down (`jremat.auto` -> `PlanCache` -> `jremat.plan`).
 
     Raises:
       ValueError: budget <= 0, a float > 1, NaN/inf, a bool, a complex number, an array that

@@ -316,13 +316,17 @@ def arg_mesh(flat_args: Sequence[Any]) -> Any:
     return next(iter(meshes.values()), None)
 
 
-def sharding_key(args: Sequence[Any]) -> tuple:
-    """Hashable per-leaf (mesh axes, spec) of the arguments, for plan-cache keys."""
-    out = []
-    for x in jax.tree_util.tree_leaves(args):
-        s = leaf_sharding(x)
-        out.append(None if s is None else (tuple(mesh_axes(s.mesh).items()), str(s.spec)))
-    return tuple(out) if any(o is not None for o in out) else ()
+def sharding_key(x: Any) -> tuple | None:
+    """How one argument leaf is sharded, hashable: `(mesh axes, spec)`, the mesh's
+    `(name, size)` pairs and per dimension the tuple of mesh axes it is split over (`()`: not
+    split; `P("data")` and `P("data", None)` agree), or None when the leaf is not sharded (see
+    `leaf_sharding`). The sharding part of a call's signature (`trace.graph.signature`)."""
+    s = leaf_sharding(x)
+    if s is None:
+        return None
+    ndim = len(getattr(x, "shape", ()))
+    spec = [spec_axes(e) for e in s.spec]
+    return (tuple(mesh_axes(s.mesh).items()), tuple(spec + [()] * (ndim - len(spec))))
 
 
 # -- shard_map bodies --------------------------------------------------------------------------

@@ -56,7 +56,10 @@ class Program:
         argnums: int | Sequence[int],
         in_shardings: Any = None,
         mesh: Any = None,
+        graph: Graph | None = None,
     ):
+        """`graph`: `fn` already traced at these arguments (`build_graph`), reused instead of
+        tracing it again; its outputs are checked to be a scalar float loss."""
         if not callable(fn):
             raise TypeError(f"fn must be a callable, got {type(fn).__name__}")
         self.fn = fn
@@ -66,8 +69,12 @@ class Program:
         check_differentiable(self.args, self.nums)
         from jremat._src.base.args import check_scalar_output
 
-        check_scalar_output(fn, self.args)
-        self.graph: Graph = build_graph(fn, self.args, self.nums)
+        if graph is None:
+            check_scalar_output(fn, self.args)
+            graph = build_graph(fn, self.args, self.nums)
+        else:  # checked on the traced outputs' shapes: fn is not traced again
+            check_scalar_output(lambda out: out, (graph.out_shape,))
+        self.graph: Graph = graph
         #: inside a shard_map body: its mesh axes, bound when compiling (see compile_step)
         self.manual_axes = manual_axes()
         self._baseline: Compiled | None = None

@@ -15,13 +15,17 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from jremat._src.base.args import check_count, check_flag
+import jax
+
+from jremat._src.base import compat as _compat
+from jremat._src.base.args import check_count, check_flag, normalize_argnums
 from jremat._src.base.budget import parse_budget
 from jremat._src.base.sharding import check_in_shardings, check_known, check_mesh, shard_args
 from jremat._src.frontends.cache import PlanCache
-from jremat._src.plan.rewrite import rematerialize
+from jremat._src.plan.plan import Plan
+from jremat._src.plan.rewrite import rematerialize, run_graph
 from jremat._src.search.solve import check_solver
-from jremat._src.trace.graph import build_graph, signature
+from jremat._src.trace.graph import Graph, build_graph, signature
 
 
 def auto(
@@ -141,7 +145,8 @@ def auto(
         mesh=mesh,
         offload=offload,
     )
-    parse_budget(budget)
+    # parsed once: the decorator form, PlanCache and jremat.plan take the parsed Budget as it is
+    options["budget"] = budget = parse_budget(budget)
     check_solver(solver, none_ok=True)
     check_flag("verify", verify)
     check_count("max_rounds", max_rounds)
@@ -239,10 +244,12 @@ def _auto_function(fn: Callable[..., Any], options: dict[str, Any]) -> Callable[
             if key not in runners:
                 avals = shard_args(args, options["in_shardings"], options["mesh"])
                 check_known(args, avals)
-                graph = build_graph(fn, avals)
-                p = cache.get(graph, fn, avals, argnums=options["argnums"])
+                nums = normalize_argnums(options["argnums"], len(avals))
+                # the one trace of fn at this signature: keyed, planned and run from it
+                graph = build_graph(fn, avals, nums)
+                p = cache.get(graph, fn, avals, argnums=nums)
                 plans[key] = p
-                runners[key] = rematerialize(fn, p, prevent_cse=options["prevent_cse"])
+                runners[key] = _runner(fn, graph, p, options)
         return runners[key](*args)
 
     wrapper.plans = plans  # type: ignore[attr-defined]
@@ -251,6 +258,30 @@ def _auto_function(fn: Callable[..., Any], options: dict[str, Any]) -> Callable[
     # wrapper does): this marker keeps Flax from wrapping it a second time.
     wrapper.method_handler_wrapped = True  # type: ignore[attr-defined]
     return wrapper
+
+
+def _runner(
+    fn: Callable[..., Any], graph: Graph, plan: Plan, options: dict[str, Any]
+) -> Callable[..., Any]:
+    """`fn` under `plan`, run from `graph` (the program the plan was made for) without tracing
+    `fn` again. Through `rematerialize` (which traces each call) when the arguments were given
+    shardings (`in_shardings`/`mesh`: the call's own tracers may not carry them) or `graph`
+    captured tracers of an enclosing transformation (valid in that trace only)."""
+    prevent_cse = options["prevent_cse"]
+    if (
+        plan.is_identity
+        or options["in_shardings"] is not None
+        or options["mesh"] is not None
+        or any(_compat.is_tracer(c) for c in graph.consts.values())
+    ):
+        return rematerialize(fn, plan, prevent_cse=prevent_cse)
+    plan.validate()
+
+    def run(*args: Any) -> Any:
+        outs = run_graph(graph, plan, jax.tree_util.tree_leaves(args), prevent_cse=prevent_cse)
+        return jax.tree_util.tree_unflatten(graph.out_tree, outs)
+
+    return run
 
 
 def _is_method(fn: Callable[..., Any]) -> bool:

@@ -16,29 +16,26 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-import jax
-import numpy as np
-
 from jremat._src.base.args import abstract_args
-from jremat._src.base.budget import parse_budget
-from jremat._src.base.sharding import sharding_key
+from jremat._src.base.budget import Budget, parse_budget
 from jremat._src.frontends.blocks import plan_block
 from jremat._src.plan.plan import Plan
 from jremat._src.search.solve import check_solver, plan
-from jremat._src.trace.graph import Graph, is_literal
+from jremat._src.trace.graph import Graph, signature
 
 
 class PlanCache:
     """Plans of one decorated function or module, keyed by program signature and budget.
 
-    The in-memory key and the file name of a saved plan are a SHA-256 of: the shapes and dtypes
-    of the planned program's arguments, the program's `Graph.fingerprint` and wiring (which
-    value feeds which equation), the budget as given (`"auto"` stays `"auto"`, so a saved plan is
-    reused whatever memory is free), the solver and `verify`. A new batch size or sequence
-    length is a new signature, so it is planned anew.
+    The in-memory key and the file name of a saved plan are a SHA-256 of: the description of
+    the planned program's argument `Signature` (shapes, dtypes, weak types), its shardings, the
+    program's `Graph.fingerprint` (its values and wiring), the budget as given (`"auto"` stays
+    `"auto"`, so a saved plan is reused whatever memory is free), the solver, `verify` and
+    `offload`. A new batch size or sequence length is a new signature, so it is planned anew.
 
     Args:
-      budget: as `jremat.plan` (validated here; `"auto"` is read again at each solve).
+      budget: as `jremat.plan`, or a `Budget` parsed from it (parsed here once; `"auto"` is
+        read again at each solve).
       solver: the planner name, or None for `jremat.plan`'s default.
       verify: compile and check each plan against the budget.
       max_rounds: verification compiles per signature.
@@ -70,10 +67,10 @@ class PlanCache:
         from jremat._src.base.args import check_count, check_flag
         from jremat._src.plan.offload import parse_offload
 
-        parse_budget(budget)
+        self._spec = parse_budget(budget)
         self.offload = parse_offload(offload)
         check_solver(solver, none_ok=True)
-        self.budget = budget
+        self.budget = budget.raw if isinstance(budget, Budget) else budget
         self.solver = solver
         self.verify = check_flag("verify", verify)
         self.max_rounds = check_count("max_rounds", max_rounds)
@@ -93,14 +90,13 @@ class PlanCache:
     # -- keys -----------------------------------------------------------------------------
     def key(self, graph: Graph, args: Sequence[Any], kind: str = "function") -> tuple[str, str]:
         """(key, readable signature) of a program; stable across processes."""
-        sig = describe_signature(args)
-        shard_key = sharding_key(args)
+        signed = signature(args)
+        sig, shard_key = signed.description, signed.sharding
         payload = json.dumps(
             {
                 "kind": kind,
                 "signature": sig,
                 "fingerprint": graph.fingerprint,
-                "wiring": wiring_hash(graph),
                 "budget": repr(self.budget),
                 "solver": self.solver,
                 "verify": bool(self.verify),
@@ -127,7 +123,8 @@ class PlanCache:
         """The plan for `graph` (the traced `fn(*args)`): cached, loaded or solved.
 
         Args:
-          graph: `build_graph(fn, args)`.
+          graph: `build_graph(fn, args)`: the program's one trace, keyed (its fingerprint),
+            checked against a saved plan and planned on (passed to `jremat.plan`) as it is.
           fn: the function the plan is for: a scalar loss, or (with `ct_mask`) a block
             `f(diff, rest)` from `block_fn`.
           args: its arguments (arrays, tracers or avals; only shapes and dtypes are used).
@@ -145,7 +142,8 @@ class PlanCache:
                 return self.plans[key]
             p = self._load(key, graph)
             if p is None:
-                spec = parse_budget(self.budget)  # "auto": free memory now
+                # parsed once in __init__; "auto" is read again: free memory now
+                spec = parse_budget(self.budget) if self._spec.is_auto else self._spec
                 opts: dict[str, Any] = {} if self.solver is None else {"solver": self.solver}
                 if self.offload is not None:
                     opts["offload"] = self.offload
@@ -154,6 +152,7 @@ class PlanCache:
                         fn,
                         *avals,
                         budget=spec,
+                        graph=graph,  # traced once per signature: not again to plan
                         argnums=argnums,
                         verify=self.verify,
                         max_rounds=self.max_rounds,
@@ -212,26 +211,3 @@ def _jsonable(x: Any) -> Any:
         return x
     except TypeError:
         return repr(x)
-
-
-def describe_signature(args: Sequence[Any]) -> str:
-    """Shapes and dtypes of the array leaves of `args`, e.g. `float32[8,16] int32[8]`."""
-    parts = []
-    for x in jax.tree_util.tree_leaves(args):
-        shape = ",".join(str(d) for d in np.shape(x))
-        parts.append(f"{getattr(x, 'dtype', type(x).__name__)}[{shape}]")
-    return " ".join(parts)
-
-
-def wiring_hash(graph: Graph) -> str:
-    """A hash of which value feeds which equation, and of every value's shape and dtype (what
-    `Graph.fingerprint` leaves out); stable across processes."""
-    h = hashlib.sha256()
-    for node in graph.nodes:
-        ins = ",".join("L" if is_literal(x) else str(x) for x in node.inputs)
-        h.update(f"{node.primitive}({ins})->{node.outputs};".encode())
-    for v in graph.values:
-        h.update(f"{v.shape}{v.dtype};".encode())
-    return h.hexdigest()[:16]
-
-

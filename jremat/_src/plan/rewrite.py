@@ -290,7 +290,8 @@ def rematerialize(
       ValueError: the plan's segments do not tile its equations or have fields of the wrong
         type, or its `scans` entries are malformed (`Plan.validate`).
       PlanMismatchError (a ValueError), at call time: the call's program differs from the one
-        the plan was made for (other shapes, dtypes or equations).
+        the plan was made for: its `Graph.fingerprint` (shapes, dtypes, equations and which
+        value feeds which) is not the plan's.
       ValueError, at call time: a segment saves or offloads a value id the program lacks
         (`check_value_ids`).
     """
@@ -311,7 +312,8 @@ def rematerialize(
                 raise PlanMismatchError(
                     f"this plan was made for program {plan.fingerprint} ({plan.num_nodes} "
                     f"equations) but the call traces to {graph.fingerprint} ({graph.num_nodes} "
-                    "equations): shapes, dtypes or code changed. Make a new plan for these "
+                    "equations): shapes, dtypes or code (its equations or their wiring) changed. "
+                    "Make a new plan for these "
                     "arguments (jremat.plan), or use jremat.auto, which re-plans per signature."
                 )
             if not _holds_tracers(graph):

@@ -55,6 +55,7 @@ def plan(
     offload: bool | OffloadCost | None = None,
     in_shardings: Any = None,
     mesh: Any = None,
+    graph: Graph | None = None,
 ) -> Plan:
     """Plan the rematerialization of `fn` under a memory budget.
 
@@ -68,8 +69,8 @@ def plan(
       fn: returns a scalar floating-point loss; positional array/pytree arguments.
       *args: example arguments (arrays or `jax.ShapeDtypeStruct`s).
       budget: a float in (0, 1] (fraction of the unrematerialized compiled temp bytes), an int
-        (footprint bytes), a string such as "512MiB"/"8GB", or "auto" (see
-        `jremat.parse_budget`).
+        (footprint bytes), a string such as "512MiB"/"8GB", or "auto" (see `jremat.parse_budget`);
+        or a `Budget` already parsed from one (`jremat.parse_budget`), used as it is.
       solver: the planner (docs/design.md#planners): "chain" (dynamic programming over cuts and
         save sets; Chen et al. 2016, Rotor, Rockmate), "greedy" (cost-per-byte knapsack),
         "dtr" (simulated Dynamic Tensor Rematerialization, Kirisame et al. 2021), "milp"
@@ -99,6 +100,9 @@ def plan(
         `AbstractMesh`), or None (default: the one set by `jax.set_mesh`). It shards nothing
         by itself; given while no `PartitionSpec` refers to it and no argument is sharded, the
         program is planned unsharded and a `RuntimeWarning` says so.
+      graph: `fn` already traced at these arguments (`build_graph(fn, args, argnums)` of the
+        arguments as `in_shardings`/`mesh` shard them), so that it is not traced again (as
+        `jremat.auto` passes it); None (default): traced here.
 
     Returns:
       A `Plan`; `Plan.identity` when the budget is at or above the unrematerialized program.
@@ -123,7 +127,7 @@ def plan(
     verify = check_flag("verify", verify)
     max_rounds = check_count("max_rounds", max_rounds)
     max_cuts = check_count("max_cuts", max_cuts)
-    prog = Program(fn, args, argnums, in_shardings=in_shardings, mesh=mesh)
+    prog = Program(fn, args, argnums, in_shardings=in_shardings, mesh=mesh, graph=graph)
     return solve(
         prog,
         spec,

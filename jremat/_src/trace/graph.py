@@ -73,7 +73,9 @@ class Graph:
       consts: captured constants, id -> array.
       diff_invars: for each argument, whether it is differentiated (in `argnums`, floating).
       in_tree, out_tree: pytree structures of the arguments and outputs.
-      fingerprint: a hash of the equations and avals; plans are tied to it.
+      out_shape: the outputs as a pytree of `jax.ShapeDtypeStruct`s (None if not traced).
+      fingerprint: a hash of the program: every value's shape and dtype and every equation's
+        primitive and wiring (stable across processes); plans are tied to it.
       mesh_axes: {mesh axis name: size} the values are sharded over ({} on one device).
     """
 
@@ -88,6 +90,7 @@ class Graph:
     fingerprint: str
     consumers: list[list[int]] = dataclasses.field(default_factory=list)
     mesh_axes: dict[str, int] = dataclasses.field(default_factory=dict)
+    out_shape: Any = None
 
     @property
     def num_nodes(self) -> int:
@@ -273,9 +276,10 @@ def build_graph(fn: Callable[..., Any], args: Sequence[Any], nums: tuple[int, ..
         diff_invars=diff,
         in_tree=in_tree,
         out_tree=out_tree,
-        fingerprint=_fingerprint(b, [v.aval for v in jaxpr.invars]),
+        fingerprint=_fingerprint(b, in_ids, outs),
         consumers=consumers,
         mesh_axes=dict(b.axes),
+        out_shape=out_shape,
     )
 
 
@@ -333,32 +337,99 @@ def _anchor_residuals(b: _Builder) -> None:
         node.residuals = tuple(res)
 
 
-def _fingerprint(b: _Builder, in_avals: Sequence[Any]) -> str:
+def _fingerprint(b: _Builder, invars: Sequence[int], outvars: Sequence[Any]) -> str:
+    """A hash of the program a plan is tied to: every value's shape and dtype (in id order),
+    every equation's primitive and wiring (which value ids, or a literal, feed it, and which it
+    produces), and which values are the arguments and outputs.
+
+    Only deterministic text enters it (primitive names, value ids, shapes, dtype names), so the
+    same function at the same signature hashes alike in every process (saved plans, `plan_dir`
+    keys). Two programs of the same primitives wired differently hash differently.
+    """
+
+    def ref(x: Any) -> str:
+        return "L" if is_literal(x) else str(x)
+
     h = hashlib.sha256()
-    for aval in in_avals:  # avals, so a Python scalar and its traced value agree
-        h.update(f"{getattr(aval, 'shape', ())}{getattr(aval, 'dtype', '')};".encode())
+    for v in b.values:  # global shapes; how values are sharded is the signature's part
+        h.update(f"{v.shape}{v.dtype};".encode())
+    h.update(f"in{','.join(map(str, invars))};".encode())
     for n in b.nodes:
-        h.update(f"{n.primitive}{len(n.inputs)}{n.outputs};".encode())
+        h.update(f"{n.primitive}({','.join(map(ref, n.inputs))})->{n.outputs};".encode())
+    h.update(f"out{','.join(map(ref, outvars))};".encode())
     return h.hexdigest()[:16]
 
 
-def signature(args: Sequence[Any]) -> tuple:
-    """Hashable shape/dtype signature of a call's arguments (the key of cached plans).
+@dataclasses.dataclass(frozen=True)
+class Signature:
+    """What a call's arguments trace by: a hashable key, and its readable `description`.
+
+    Equal signatures trace the same function to the same program, so plans (`jremat.auto`,
+    `PlanCache`) and traced graphs (`jremat.rematerialize`) are cached per signature.
+
+    Attributes:
+      tree: the arguments' pytree structure.
+      leaves: per flat leaf `(shape, dtype, weak_type, sharding, varying)`: `sharding` is
+        `jremat.sharding.sharding_key` of the leaf (None when it is not sharded), `varying`
+        the sorted `shard_map` axes a traced value varies over inside a body (else `()`).
+    """
+
+    tree: Any
+    leaves: tuple[tuple[Any, ...], ...]
+
+    @property
+    def sharding(self) -> tuple:
+        """Per-leaf sharding keys, or `()` when no leaf is sharded."""
+        out = tuple(leaf[3] for leaf in self.leaves)
+        return out if any(s is not None for s in out) else ()
+
+    @property
+    def description(self) -> str:
+        """The leaves as text, e.g. `float32[8,16] int32[8] float32[]{weak}`; a sharded
+        dimension reads `512@data` (`@(data,model)` over two axes), a `shard_map` body's value
+        ends in `{V:axes}`."""
+        return " ".join(_describe_leaf(*leaf) for leaf in self.leaves)
+
+    def __str__(self) -> str:
+        return self.description
+
+
+def _describe_leaf(shape: tuple, dtype: str, weak: bool, shard: Any, varying: tuple) -> str:
+    spec = shard[1] if shard is not None else ()
+    dims = []
+    for i, d in enumerate(shape):
+        axes = spec[i] if i < len(spec) else ()
+        on = "" if not axes else "@" + (axes[0] if len(axes) == 1 else f"({','.join(axes)})")
+        dims.append(f"{d}{on}")
+    text = f"{dtype}[{','.join(dims)}]"
+    if weak:
+        text += "{weak}"
+    if varying:
+        text += "{V:" + ",".join(varying) + "}"
+    return text
+
+
+def signature(args: Sequence[Any]) -> Signature:
+    """The `Signature` of a call's arguments: their tree structure and, per leaf, shape,
+    dtype, weak type, sharding and (inside `shard_map`) varying axes. The one signature
+    function: `jremat.auto`, `PlanCache` keys and `jremat.rematerialize` all use it.
 
     Weak typing counts: a Python scalar (or a value traced from one) traces to a different
     program than a committed float32 array. So do shardings (`base.sharding.sharding_key`):
-    the same shapes sharded differently are planned apart."""
+    the same shapes sharded differently are planned apart. Arguments may be arrays, tracers,
+    `jax.ShapeDtypeStruct`s or Python scalars; only these properties are read."""
     leaves, tree = jax.tree_util.tree_flatten(args)
 
     def key(x: Any) -> tuple:
         if isinstance(x, (bool, int, float, complex)):
-            return ((), type(x).__name__, True)
+            return ((), type(x).__name__, True, None, ())
         weak = bool(getattr(getattr(x, "aval", x), "weak_type", False))
-        key = (tuple(np.shape(x)), str(getattr(x, "dtype", type(x))), weak)
+        varying: tuple[str, ...] = ()
         if _compat.is_tracer(x):  # inside shard_map: the axes a value varies over
             manual = _compat.manual_axis_type(x)
             if manual is not None:
-                key += (tuple(sorted(manual.varying)),)
-        return key
+                varying = tuple(sorted(manual.varying))
+        dtype = str(getattr(x, "dtype", type(x).__name__))
+        return (tuple(np.shape(x)), dtype, weak, sharding.sharding_key(x), varying)
 
-    return (tree, tuple(key(x) for x in leaves), sharding.sharding_key(leaves))
+    return Signature(tree, tuple(key(x) for x in leaves))
