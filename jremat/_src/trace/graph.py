@@ -370,7 +370,7 @@ class Signature:
     Attributes:
       tree: the arguments' pytree structure.
       leaves: per flat leaf `(shape, dtype, weak_type, sharding, varying)`: `sharding` is
-        `jremat.sharding.sharding_key` of the leaf (None when it is not sharded), `varying`
+        `base.sharding.sharding_key` of the leaf (None when it is not sharded), `varying`
         the sorted `shard_map` axes a traced value varies over inside a body (else `()`).
     """
 
