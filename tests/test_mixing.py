@@ -4,6 +4,8 @@ pure recipe on budgets between two of them."""
 
 from __future__ import annotations
 
+import json
+
 import jax
 import jax.numpy as jnp
 import models as M  # noqa: E402  (tests/ is on sys.path via conftest)
@@ -11,6 +13,7 @@ import pytest
 
 import jremat
 from jremat._src.compile.program import Program
+from jremat._src.plan.plan import ScanSetting
 from jremat._src.search import mixing
 from jremat._src.trace.layers import layer_segments
 
@@ -92,21 +95,38 @@ def test_search_skips_when_interpolation_cannot_beat_what_fits():
 
 
 @pytest.mark.parametrize(
-    "scans",
+    "scans, named",
     [
-        {"0": {"pieces": []}},
-        {"0": {"pieces": [{"policy": "nothing_saveable"}]}},
-        {"0": {"policy": "nothin_saveable", "nest": 1}},
-        {"0": {"policy": "nothing_saveable", "nest": -2}},
-        {"0": {"policy": "nothing_saveable", "foo": 1}},
-        {"99": {"policy": "nothing_saveable", "nest": 1}},
+        ({"0": {"pieces": []}}, r"Plan.scans\['0'\].pieces must be a non-empty list"),
+        (
+            {"0": {"pieces": [{"policy": "nothing_saveable"}]}},
+            r"Plan.scans\['0'\].pieces\[0\].length is missing",
+        ),
+        ({"0": {"policy": "nothin_saveable", "nest": 1}}, r"Plan.scans\['0'\].policy: unknown"),
+        ({"0": {"policy": "nothing_saveable", "nest": -2}}, r"Plan.scans\['0'\].nest must be"),
+        ({"0": {"policy": "nothing_saveable", "foo": 1}}, r"Plan.scans\['0'\]: unknown field"),
+        ({"99": {"policy": "nothing_saveable", "nest": 1}}, r"Plan.scans\['99'\]: keys are"),
     ],
 )
-def test_malformed_scan_configs_are_rejected_by_name(scans):
+def test_malformed_scan_configs_are_rejected_by_name(scans, named):
+    loss, args = _scan_program(False)
+    d = json.loads(jremat.Plan.identity(jremat.trace(loss, *args)).to_json())
+    d["scans"] = scans
+    with pytest.raises(ValueError, match=named):
+        jremat.Plan.from_json(json.dumps(d))
+
+
+@pytest.mark.parametrize(
+    "scans, named",
+    [
+        ({"99": ScanSetting()}, r"Plan.scans\['99'\]: keys are equation indices"),
+        ({0: ScanSetting()}, r"Plan.scans\[0\]: keys are equation indices .* as strings"),
+        ({"0": {"policy": "nothing_saveable"}}, r"Plan.scans\['0'\] must be a ScanSetting"),
+    ],
+)
+def test_a_plan_whose_scans_are_not_settings_by_equation_does_not_run(scans, named):
     loss, args = _scan_program(False)
     plan = jremat.Plan.identity(jremat.trace(loss, *args))
     plan.scans = scans
-    with pytest.raises(ValueError, match=r"Plan.scans\['"):
+    with pytest.raises(ValueError, match=named):
         jremat.rematerialize(loss, plan)
-    with pytest.raises(ValueError, match=r"Plan.scans\['"):
-        jremat.Plan.from_json(plan.to_json())

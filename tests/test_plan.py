@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import jax
@@ -11,7 +12,7 @@ import pytest
 from models import F32_RTOL, SOLVER, assert_trees_close, names_plan
 
 import jremat
-from jremat._src.plan.plan import KEEP, Plan, Segment
+from jremat._src.plan.plan import KEEP, SCAN_FORMS, Plan, ScanPiece, ScanSetting, Segment
 from jremat._src.plan.recipes import recipe_plan
 
 #: compiled temp / unrematerialized temp that each auto test achieved (printed at the end of
@@ -298,6 +299,89 @@ def test_value_id_the_program_lacks_is_named_when_the_plan_runs(field):
     msg = str(info.value)
     assert msg.startswith(f"Plan.segments[0].{field} names value id(s) [1000000] that"), msg
     assert f"its value ids are 0 .. {len(graph.values) - 1}" in msg, msg
+
+
+# -- scan settings (Plan.scans) -----------------------------------------------------------------
+def test_scan_setting_json_round_trip():
+    one = ScanSetting("dots_saveable", nest=4)
+    split = ScanSetting(pieces=[ScanPiece(3, "nothing_saveable"), ScanPiece(5, KEEP)])
+    assert split.pieces == (ScanPiece(3, "nothing_saveable", 1), ScanPiece(5, KEEP, 1))
+    assert one.to_dict() == {"policy": "dots_saveable", "nest": 4}
+    assert split.to_dict() == {
+        "pieces": [
+            {"length": 3, "policy": "nothing_saveable", "nest": 1},
+            {"length": 5, "policy": "keep", "nest": 1},
+        ]
+    }
+    for setting in (one, split, ScanSetting()):
+        assert ScanSetting.from_dict(json.loads(json.dumps(setting.to_dict()))) == setting
+    assert ScanSetting.from_dict({}) == ScanSetting("nothing_saveable", 1)  # the defaults
+    assert ScanSetting.from_dict({"pieces": [{"length": 2}]}) == ScanSetting(
+        pieces=(ScanPiece(2, "nothing_saveable", 1),)
+    )
+    # in a plan: the same JSON layout as before the records (saved plans still load)
+    p = Plan([Segment(0, 5, KEEP)], "x", 5, scans={"1": one, "3": split})
+    text = p.to_json()
+    assert json.loads(text)["scans"] == {"1": one.to_dict(), "3": split.to_dict()}
+    again = Plan.from_json(text)
+    assert again == p and isinstance(again.scans["3"], ScanSetting)
+    assert not again.is_identity
+    summary = p.summary()
+    assert "scan at equation 1: every iteration under dots_saveable nested by 4" in summary
+    assert "scan at equation 3: 3 iterations under nothing_saveable, 5 iterations under keep" in (
+        summary
+    )
+
+
+@pytest.mark.parametrize(
+    "cfg, shown",
+    [
+        ({"policy": "dots_saveable", "nest": 0}, ".nest must be an int >= 1, got int 0"),
+        ({"policy": "dots_saveable", "nest": True}, ".nest must be an int >= 1, got bool True"),
+        ({"policy": "dotz", "nest": 1}, ".policy: unknown policy 'dotz'; accepted: ["),
+        ({"polcy": "dots_saveable"}, ": unknown field(s) ['polcy']"),
+        ({"pieces": [{"length": 2}], "nest": 2}, ": unknown field(s) ['nest']"),
+        ({"pieces": {}}, ".pieces must be a non-empty list of pieces, got {}"),
+        ({"pieces": [{"length": 2}, {"length": "3"}]}, ".pieces[1].length must be an int >= 1"),
+        ({"pieces": [{"length": 2, "nest": 0}]}, ".pieces[0].nest must be an int >= 1"),
+        ({"pieces": [{"length": 2, "policy": "x"}]}, ".pieces[0].policy: unknown policy 'x'"),
+        ({"pieces": ["keep"]}, ".pieces[0] must be a dict, got str 'keep'"),
+        ("nothing_saveable", " must be a dict, got str 'nothing_saveable'"),
+    ],
+)
+def test_malformed_scan_setting_names_the_field(cfg, shown):
+    with pytest.raises(ValueError) as info:
+        ScanSetting.from_dict(cfg)
+    msg = str(info.value)
+    assert msg.startswith("ScanSetting" + shown), msg
+    if ".policy" not in shown:  # the policy error lists the accepted policies instead
+        assert msg.endswith(f"accepted forms: {SCAN_FORMS}"), msg
+    # inside a plan, the entry is named by its equation index
+    text = json.dumps(
+        {"segments": [{"start": 0, "end": 5}], "fingerprint": "x", "num_nodes": 5, "scans": {}}
+    )
+    d = json.loads(text)
+    d["scans"] = {"2": cfg}
+    with pytest.raises(ValueError) as info:
+        Plan.from_json(json.dumps(d))
+    assert str(info.value).startswith("Plan.scans['2']" + shown), str(info.value)
+
+
+def test_scan_records_check_their_fields_when_built():
+    with pytest.raises(ValueError, match=r"ScanSetting.nest must be an int >= 1"):
+        ScanSetting("nothing_saveable", nest=0)
+    with pytest.raises(ValueError, match=r"ScanSetting.policy: unknown policy 'nothing'"):
+        ScanSetting("nothing")
+    with pytest.raises(ValueError, match=r"ScanSetting.pieces must be None or a non-empty"):
+        ScanSetting(pieces=())
+    with pytest.raises(ValueError, match=r"ScanSetting.pieces\[0\] must be a ScanPiece"):
+        ScanSetting(pieces=[{"length": 2}])
+    with pytest.raises(ValueError, match=r"ScanSetting: policy and nest do not apply"):
+        ScanSetting("dots_saveable", pieces=[ScanPiece(2)])
+    with pytest.raises(ValueError, match=r"ScanPiece.length must be an int >= 1, got int 0"):
+        ScanPiece(0)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        ScanSetting().nest = 2  # type: ignore[misc]
 
 
 # -- summary -----------------------------------------------------------------------------------

@@ -150,9 +150,9 @@ def test_scan_plans_remat_the_loop_body(programs):
     plan = solve(prog, parse_budget(0.6))
     assert plan.measured_temp_bytes <= 0.6 * base
     assert plan.scans, "a scanned model's plan should rematerialize its loop"
-    cfg = next(iter(plan.scans.values()))
-    for piece in cfg.get("pieces", [cfg]):
-        assert piece["policy"] in (*jremat.policies.names(), "keep")
+    setting = next(iter(plan.scans.values()))
+    for piece in setting.pieces or [setting]:
+        assert piece.policy in (*jremat.policies.names(), "keep")
     got = jax.grad(jremat.rematerialize(m.loss, plan))(*m.args)
     M.assert_trees_close(got, jax.grad(m.loss)(*m.args), rtol=1e-5)
 

@@ -18,13 +18,12 @@ from typing import Any
 import jax
 
 from jremat._src.base import compat as _compat
-from jremat._src.base.args import check_count, check_flag, normalize_argnums
-from jremat._src.base.budget import parse_budget
-from jremat._src.base.sharding import check_in_shardings, check_known, check_mesh, shard_args
+from jremat._src.base.args import normalize_argnums
+from jremat._src.base.sharding import check_known, shard_args
 from jremat._src.frontends.cache import PlanCache
+from jremat._src.frontends.options import AutoOptions
 from jremat._src.plan.plan import Plan
 from jremat._src.plan.rewrite import rematerialize, run_graph
-from jremat._src.search.solve import check_solver
 from jremat._src.trace.graph import Graph, build_graph, signature
 
 
@@ -128,7 +127,7 @@ def auto(
         message names the argument and how `self` is counted).
       InfeasibleBudgetError: at the first call of a signature whose budget is unreachable.
     """
-    options = dict(
+    options = AutoOptions(
         budget=budget,
         solver=solver,
         argnums=argnums,
@@ -145,33 +144,24 @@ def auto(
         mesh=mesh,
         offload=offload,
     )
-    # parsed once: the decorator form, PlanCache and jremat.plan take the parsed Budget as it is
-    options["budget"] = budget = parse_budget(budget)
-    check_solver(solver, none_ok=True)
-    check_flag("verify", verify)
-    check_count("max_rounds", max_rounds)
-    check_mesh(mesh)
-    check_in_shardings(in_shardings)
     if fn is None:
-        return functools.partial(auto, **options)
+        return functools.partial(_auto_target, options=options)
+    return _auto_target(fn, options)
+
+
+def _auto_target(fn: Any, options: AutoOptions) -> Any:
+    """`jremat.auto` on one target, under options already checked."""
     kind = _target_kind(fn)
-    options["cache"] = PlanCache(
-        budget,
-        solver=solver,
-        verify=verify,
-        max_rounds=max_rounds,
-        plan_dir=plan_dir,
-        offload=offload,
-    )
+    cache = options.plan_cache()
     if kind == "linen_class":
         from jremat._src.frontends.flax_linen import auto_linen_class
 
-        return auto_linen_class(fn, options)
+        return auto_linen_class(fn, options, cache)
     if kind == "nnx_class":
         from jremat._src.frontends.flax_nnx import auto_nnx_class
 
-        return auto_nnx_class(fn, options)
-    return _auto_function(fn, options)
+        return auto_nnx_class(fn, options, cache)
+    return _auto_function(fn, options, cache)
 
 
 def _target_kind(target: Any) -> str:
@@ -211,8 +201,9 @@ def _target_kind(target: Any) -> str:
     return "function"
 
 
-def _auto_function(fn: Callable[..., Any], options: dict[str, Any]) -> Callable[..., Any]:
-    cache: PlanCache = options["cache"]
+def _auto_function(
+    fn: Callable[..., Any], options: AutoOptions, cache: PlanCache
+) -> Callable[..., Any]:
     plans: dict[Any, Any] = {}
     runners: dict[Any, Callable[..., Any]] = {}
     lock = threading.Lock()
@@ -224,15 +215,15 @@ def _auto_function(fn: Callable[..., Any], options: dict[str, Any]) -> Callable[
         if linen is not None and args and isinstance(args[0], linen.Module):
             from jremat._src.frontends.flax_linen import linen_method_call
 
-            return linen_method_call(fn, options, flax_state)(*args, **kwargs)
+            return linen_method_call(fn, options, cache, flax_state)(*args, **kwargs)
         if sys.modules.get("flax.nnx") is not None:
             from jremat._src.frontends.flax_nnx import has_graph_node, make_caller
 
             if has_graph_node((args, kwargs)):
                 if "nnx" not in flax_state:
-                    flax_state["nnx"] = make_caller(fn, options, self_counted=_is_method(fn))
+                    flax_state["nnx"] = make_caller(fn, options, cache, self_counted=_is_method(fn))
                 return flax_state["nnx"](*args, **kwargs)
-        if kwargs or options["static_argnums"] or options["static_argnames"]:
+        if kwargs or options.static_argnums or options.static_argnames:
             raise TypeError(
                 f"{getattr(fn, '__name__', 'fn')} is planned as a plain loss function of "
                 "positional array arguments (no linen or NNX module among its arguments), which "
@@ -242,9 +233,9 @@ def _auto_function(fn: Callable[..., Any], options: dict[str, Any]) -> Callable[
         key = signature(args)
         with lock:
             if key not in runners:
-                avals = shard_args(args, options["in_shardings"], options["mesh"])
+                avals = shard_args(args, options.in_shardings, options.mesh)
                 check_known(args, avals)
-                nums = normalize_argnums(options["argnums"], len(avals))
+                nums = normalize_argnums(options.argnums, len(avals))
                 # the one trace of fn at this signature: keyed, planned and run from it
                 graph = build_graph(fn, avals, nums)
                 p = cache.get(graph, fn, avals, argnums=nums)
@@ -267,11 +258,11 @@ def _runner(
     `fn` again. Through `rematerialize` (which traces each call) when the arguments were given
     shardings (`in_shardings`/`mesh`: the call's own tracers may not carry them) or `graph`
     captured tracers of an enclosing transformation (valid in that trace only)."""
-    prevent_cse = options["prevent_cse"]
+    prevent_cse = options.prevent_cse
     if (
         plan.is_identity
-        or options["in_shardings"] is not None
-        or options["mesh"] is not None
+        or options.in_shardings is not None
+        or options.mesh is not None
         or any(_compat.is_tracer(c) for c in graph.consts.values())
     ):
         return rematerialize(fn, plan, prevent_cse=prevent_cse)

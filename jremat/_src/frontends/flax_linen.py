@@ -21,6 +21,7 @@ from flax.linen import transforms as nn_transforms
 
 from jremat._src.frontends.blocks import run_block
 from jremat._src.frontends.cache import PlanCache
+from jremat._src.frontends.options import AutoOptions
 
 
 class AutoTargetError(TypeError, flax_errors.TransformTargetError):
@@ -260,15 +261,18 @@ def lift_auto(
     )
 
 
-def _transform_kwargs(method: Callable[..., Any], owner: str, options: dict[str, Any]) -> dict:
+def _transform_kwargs(
+    method: Callable[..., Any], owner: str, options: AutoOptions, cache: PlanCache
+) -> dict[str, Any]:
+    """The keywords of `lift_auto` for one method (Flax's lifting passes them per method)."""
     nums, names = resolve_static(
-        method, options["static_argnums"], options["static_argnames"], owner=owner
+        method, options.static_argnums, options.static_argnames, owner=owner
     )
     return dict(
-        cache=options["cache"],
-        variables=options["variables"],
-        rngs=options["rngs"],
-        prevent_cse=options["prevent_cse"],
+        cache=cache,
+        variables=options.variables,
+        rngs=options.rngs,
+        prevent_cse=options.prevent_cse,
         static_argnums=tuple(n - 1 for n in nums),  # `self` is not passed to the lifted fn
         static_argnames=names,
         owner=owner,
@@ -296,32 +300,34 @@ def method_names(methods: Any) -> list[str]:
     )
 
 
-def auto_linen_class(target: Any, options: dict[str, Any]) -> Any:
+def auto_linen_class(target: Any, options: AutoOptions, cache: PlanCache) -> Any:
     """`jremat.auto` on a linen Module class (or a `functools.partial` of one)."""
     cls = target.func if isinstance(target, functools.partial) else target
-    names = method_names(options["methods"])
+    names = method_names(options.methods)
     per_method = {}
     for m in names:
         method = getattr(cls, m, None)
         if method is None or not callable(method):
-            raise ValueError(f"methods={options['methods']!r}: {cls.__name__} has no method {m!r}")
-        per_method[m] = _transform_kwargs(method, f"{cls.__name__}.{m}", options)
+            raise ValueError(f"methods={options.methods!r}: {cls.__name__} has no method {m!r}")
+        per_method[m] = _transform_kwargs(method, f"{cls.__name__}.{m}", options, cache)
     new = nn_transforms.lift_transform(_transform, target, methods=per_method)
     new_cls = new.func if isinstance(new, functools.partial) else new
     new_cls.__name__ = cls.__name__  # auto-names (`Block_0`), hence parameter paths, unchanged
     new_cls.__qualname__ = cls.__qualname__
     new_cls.__module__ = cls.__module__
     new_cls.__doc__ = cls.__doc__
-    new_cls.plan_cache = options["cache"]
+    new_cls.plan_cache = cache
     return new
 
 
-def linen_method_call(fn: Callable[..., Any], options: dict[str, Any], state: dict) -> Any:
+def linen_method_call(
+    fn: Callable[..., Any], options: AutoOptions, cache: PlanCache, state: dict
+) -> Any:
     """The callable that runs a `jremat.auto`-decorated linen method (built once, on the first
     call whose first argument is a linen Module)."""
     if "lifted" not in state:
         owner = getattr(fn, "__qualname__", getattr(fn, "__name__", "method"))
-        kw = _transform_kwargs(fn, owner, options)
+        kw = _transform_kwargs(fn, owner, options, cache)
         state["lifted"] = nn_transforms.decorator_lift_transform(_transform, fn, **kw)
     return state["lifted"]
 

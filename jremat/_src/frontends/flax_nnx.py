@@ -24,6 +24,7 @@ from jremat._src.frontends.flax_linen import (
     resolve_static,
     split_static,
 )
+from jremat._src.frontends.options import AutoOptions
 
 
 def is_module_class(target: Any) -> bool:
@@ -97,21 +98,20 @@ def planned_call(
 
 
 def make_caller(
-    fn: Callable[..., Any], options: dict[str, Any], *, self_counted: bool
+    fn: Callable[..., Any], options: AutoOptions, cache: PlanCache, *, self_counted: bool
 ) -> Callable[..., Any]:
     """The callable running `fn` (a function taking modules, or an unbound module method when
     `self_counted`) under the plan for each signature."""
     owner = getattr(fn, "__qualname__", getattr(fn, "__name__", "function"))
     nums, names = resolve_static(
         fn,
-        options["static_argnums"],
-        options["static_argnames"],
+        options.static_argnums,
+        options.static_argnames,
         owner=owner,
         self_counted=self_counted,
     )
     param_names = _param_names(fn)
-    cache: PlanCache = options["cache"]
-    prevent_cse = options["prevent_cse"]
+    prevent_cse = options.prevent_cse
 
     def call(*args: Any, **kwargs: Any) -> Any:
         static_pos, dyn, static_kw, dyn_kw = split_static(
@@ -123,11 +123,11 @@ def make_caller(
     return call
 
 
-def auto_nnx_class(target: type, options: dict[str, Any]) -> type:
+def auto_nnx_class(target: type, options: AutoOptions, cache: PlanCache) -> type:
     """`jremat.auto` on an `nnx.Module` subclass: a subclass of the same name whose methods
     (`__call__` by default, or `methods`) run under the plan for each signature."""
-    names = method_names(options["methods"])
-    if options["variables"] is not True or options["rngs"] is not True:
+    names = method_names(options.methods)
+    if options.variables is not True or options.rngs is not True:
         raise ValueError(
             "variables= and rngs= are linen lifting filters; NNX modules carry their state and "
             "RNG streams themselves, so leave them at their defaults for an nnx.Module"
@@ -136,10 +136,8 @@ def auto_nnx_class(target: type, options: dict[str, Any]) -> type:
     for m in names:
         method = getattr(target, m, None)
         if method is None or not callable(method):
-            raise ValueError(
-                f"methods={options['methods']!r}: {target.__name__} has no method {m!r}"
-            )
-        caller = make_caller(method, options, self_counted=True)
+            raise ValueError(f"methods={options.methods!r}: {target.__name__} has no method {m!r}")
+        caller = make_caller(method, options, cache, self_counted=True)
 
         def wrapped(self, *args, _caller=caller, **kwargs):
             return _caller(self, *args, **kwargs)
@@ -152,5 +150,5 @@ def auto_nnx_class(target: type, options: dict[str, Any]) -> type:
     body["__qualname__"] = target.__qualname__
     body["__doc__"] = target.__doc__
     new = type(target.__name__, (target,), body)
-    new.plan_cache = options["cache"]
+    new.plan_cache = cache
     return new

@@ -54,6 +54,191 @@ class Segment:
         return self.policy != KEEP
 
 
+#: The body policy of a scan setting or piece that names none.
+DEFAULT_SCAN_POLICY = "nothing_saveable"
+#: The JSON forms of one `Plan.scans` entry, for messages.
+SCAN_FORMS = (
+    '{"policy": <a jremat.policies name, a preset or "keep">, "nest": <int >= 1>} or '
+    '{"pieces": [{"length": <int >= 1>, "policy": <name>, "nest": <int >= 1>}, ...]}'
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class ScanPiece:
+    """Consecutive iterations of a split loop under one body policy (see `ScanSetting`).
+
+    Attributes:
+      length: how many iterations (>= 1); the pieces' lengths sum to the loop's length.
+      policy: the body policy of these iterations: a `jremat.policies` name or preset, or
+        `"keep"` (the iterations run without a checkpoint).
+      nest: sqrt(L) nesting of these iterations, as `ScanSetting.nest`.
+
+    Raises:
+      ValueError: a field of the wrong type or out of range, naming the field.
+    """
+
+    length: int
+    policy: str = DEFAULT_SCAN_POLICY
+    nest: int = 1
+
+    def __post_init__(self) -> None:
+        _check_piece(type(self).__name__, self.length, self.policy, self.nest)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The JSON form: `{"length": n, "policy": p, "nest": k}`."""
+        return {"length": self.length, "policy": self.policy, "nest": self.nest}
+
+    @classmethod
+    def from_dict(cls, d: Any, where: str = "ScanPiece") -> ScanPiece:
+        """Read `to_dict`'s form (`policy` and `nest` may be left out: their defaults).
+
+        Raises:
+          ValueError: not a dict, a missing `length`, an unknown field, or a field of the
+            wrong type or out of range; the message starts with `where` and names the field.
+        """
+        _check_keys(
+            where, d, {"length", "policy", "nest"}, "a piece has the fields length, policy and nest"
+        )
+        if "length" not in d:
+            raise ValueError(f"{where}.length is missing; accepted forms: {SCAN_FORMS}")
+        length, policy, nest = d["length"], d.get("policy", DEFAULT_SCAN_POLICY), d.get("nest", 1)
+        _check_piece(where, length, policy, nest)
+        return cls(length, policy, nest)
+
+
+@dataclasses.dataclass(frozen=True)
+class ScanSetting:
+    """How one `scan` equation's loop is rematerialized (an entry of `Plan.scans`).
+
+    Either one decision for every iteration (`policy`, `nest`), or a split loop (`pieces`).
+
+    Attributes:
+      policy: the body runs under `jax.checkpoint(policy)`: a `jremat.policies` name or
+        preset, or `"keep"` (the loop as it was).
+      nest: k > 1 makes the loop an outer scan of length/k over checkpointed inner scans of k
+        steps (sqrt(L) nesting; ignored where k does not divide the length).
+      pieces: None, or the loop split into consecutive scans: the first `pieces[0].length`
+        iterations under `pieces[0].policy`, and so on (see `jremat.mixing`). With pieces,
+        `policy` and `nest` stay at their defaults: each piece has its own. A list is stored
+        as a tuple.
+
+    The JSON form (`to_dict`, `from_dict`; `Plan.to_json` writes it) is
+    `{"policy": p, "nest": k}` or `{"pieces": [{"length": n, "policy": p, "nest": k}, ...]}`.
+
+    Raises:
+      ValueError: a field of the wrong type or out of range, naming the field.
+    """
+
+    policy: str = DEFAULT_SCAN_POLICY
+    nest: int = 1
+    pieces: tuple[ScanPiece, ...] | None = None
+
+    def __post_init__(self) -> None:
+        where = type(self).__name__
+        if self.pieces is None:
+            _check_policy_nest(where, self.policy, self.nest)
+            return
+        if not isinstance(self.pieces, (list, tuple)) or not self.pieces:
+            raise ValueError(
+                f"{where}.pieces must be None or a non-empty sequence of ScanPiece, got "
+                f"{self.pieces!r}; accepted forms: {SCAN_FORMS}"
+            )
+        object.__setattr__(self, "pieces", tuple(self.pieces))
+        for i, piece in enumerate(self.pieces):
+            if not isinstance(piece, ScanPiece):
+                raise ValueError(
+                    f"{where}.pieces[{i}] must be a ScanPiece, got {type(piece).__name__} {piece!r}"
+                )
+        if self.policy != DEFAULT_SCAN_POLICY or self.nest != 1:
+            raise ValueError(
+                f"{where}: policy and nest do not apply to a split loop (pieces given): each "
+                f"piece has its own; accepted forms: {SCAN_FORMS}"
+            )
+
+    def to_dict(self) -> dict[str, Any]:
+        """The JSON form: `{"policy": p, "nest": k}` or `{"pieces": [...]}`."""
+        if self.pieces is None:
+            return {"policy": self.policy, "nest": self.nest}
+        return {"pieces": [p.to_dict() for p in self.pieces]}
+
+    @classmethod
+    def from_dict(cls, d: Any, where: str = "ScanSetting") -> ScanSetting:
+        """Read `to_dict`'s form (`policy` and `nest` may be left out: their defaults).
+
+        Raises:
+          ValueError: not a dict, an unknown field, `pieces` with other fields or not a
+            non-empty list, or a field of the wrong type or out of range; the message starts
+            with `where`, names the field (`Plan.scans['3'].pieces[1].length`) and gives the
+            accepted forms.
+        """
+        if isinstance(d, dict) and "pieces" in d:
+            _check_keys(where, d, {"pieces"}, "pieces is the only field of a split loop")
+            raw = d["pieces"]
+            if not isinstance(raw, (list, tuple)) or not raw:
+                raise ValueError(
+                    f"{where}.pieces must be a non-empty list of pieces, got {raw!r}; accepted "
+                    f"forms: {SCAN_FORMS}"
+                )
+            pieces = [ScanPiece.from_dict(p, f"{where}.pieces[{i}]") for i, p in enumerate(raw)]
+            return cls(pieces=tuple(pieces))
+        _check_keys(
+            where,
+            d,
+            {"policy", "nest"},
+            "a scan setting has the fields policy and nest, or only pieces",
+        )
+        policy, nest = d.get("policy", DEFAULT_SCAN_POLICY), d.get("nest", 1)
+        _check_policy_nest(where, policy, nest)
+        return cls(policy, nest)
+
+    def describe(self) -> str:
+        """One line for `Plan.summary`: which iterations run under which policy."""
+
+        def under(policy: str, nest: int) -> str:
+            return f"under {policy}" + (f" nested by {nest}" if nest > 1 else "")
+
+        if self.pieces is None:
+            return "every iteration " + under(self.policy, self.nest)
+        return ", ".join(f"{p.length} iterations " + under(p.policy, p.nest) for p in self.pieces)
+
+
+def _check_keys(where: str, d: Any, allowed: set[str], what: str) -> None:
+    if not isinstance(d, dict):
+        raise ValueError(
+            f"{where} must be a dict, got {type(d).__name__} {d!r}; accepted forms: {SCAN_FORMS}"
+        )
+    unknown = sorted(set(d) - allowed, key=str)
+    if unknown:
+        raise ValueError(
+            f"{where}: unknown field(s) {unknown} ({what}); accepted forms: {SCAN_FORMS}"
+        )
+
+
+def _check_piece(where: str, length: Any, policy: Any, nest: Any) -> None:
+    if not _is_int(length) or length < 1:
+        raise ValueError(
+            f"{where}.length must be an int >= 1, got {type(length).__name__} {length!r}; "
+            f"accepted forms: {SCAN_FORMS}"
+        )
+    _check_policy_nest(where, policy, nest)
+
+
+def _check_policy_nest(where: str, policy: Any, nest: Any) -> None:
+    from jremat import policies
+
+    if not (
+        isinstance(policy, str)
+        and (policy == KEEP or policy in policies.names() or policy in policies.preset_names())
+    ):
+        known = sorted({*policies.names(), *policies.preset_names(), KEEP})
+        raise ValueError(f"{where}.policy: unknown policy {policy!r}; accepted: {known}")
+    if not _is_int(nest) or nest < 1:
+        raise ValueError(
+            f"{where}.nest must be an int >= 1, got {type(nest).__name__} {nest!r}; accepted "
+            f"forms: {SCAN_FORMS}"
+        )
+
+
 @dataclasses.dataclass
 class Plan:
     """A rematerialization plan for one traced program (one shape/dtype signature).
@@ -75,12 +260,11 @@ class Plan:
       baseline_temp_bytes: compiled temp bytes of the unrematerialized program, when known.
       notes: free-form lines (rounds of verification, calibration).
       scans: per scan equation (its node index, as a string), how its loop is rematerialized:
-        `{"policy": name in jremat.policies, "nest": k}`: the body runs under
-        `jax.checkpoint(policy)` (one decision for every iteration); with `nest` = k > 1 the
-        loop becomes an outer scan of length/k over checkpointed inner scans of k steps
-        (sqrt(L) nesting). `{"pieces": [{"length": n1, "policy": p1, "nest": 1}, ...]}`:
-        the loop is split into consecutive scans, the first n1 iterations under p1 and so on
-        (a policy "keep" leaves its iterations unrematerialized); see docs/design.md#mixes.
+        a `ScanSetting`, either one body policy for every iteration (with sqrt(L) nesting
+        when `nest` > 1) or the loop split into consecutive `ScanPiece`s, each under its own
+        policy (a policy "keep" leaves its iterations unrematerialized); see docs/design.md#mixes.
+        In JSON each is `{"policy": p, "nest": k}` or `{"pieces": [{"length": n, "policy": p,
+        "nest": k}, ...]}` (`ScanSetting.to_dict`).
     """
 
     segments: list[Segment]
@@ -95,7 +279,7 @@ class Plan:
     measured_flops: float | None = None
     baseline_temp_bytes: int | None = None
     notes: list[str] = dataclasses.field(default_factory=list)
-    scans: dict[str, dict] = dataclasses.field(default_factory=dict)
+    scans: dict[str, ScanSetting] = dataclasses.field(default_factory=dict)
     offloaded_bytes: int = 0
 
     @property
@@ -176,7 +360,10 @@ class Plan:
 
     # -- JSON ---------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        """The plan as JSON-able dicts and lists (scan settings in their JSON form)."""
+        d = dataclasses.asdict(dataclasses.replace(self, scans={}))
+        d["scans"] = _scans_json(self.scans)
+        return d
 
     def to_json(self, indent: int | None = 2) -> str:
         """The plan as a JSON string (no pickles); inverse of `Plan.from_json`."""
@@ -188,15 +375,29 @@ class Plan:
 
         Raises:
           ValueError: malformed JSON, missing or unknown fields, a segment field of the wrong
-            type (naming the segment index and field), or segments that do not tile the
-            equations (`validate`). Whether saved/offloaded value ids exist in the program is
-            checked when the plan runs on it (`jremat.rematerialize`).
+            type (naming the segment index and field), a malformed scan setting (naming the
+            entry and field, `Plan.scans['3'].nest`, with the accepted forms), or segments
+            that do not tile the equations (`validate`). Whether saved/offloaded value ids
+            exist in the program is checked when the plan runs on it
+            (`jremat.rematerialize`).
         """
         try:
             d = json.loads(text)
             segs = [Segment(**s) for s in d.pop("segments")]
-            plan = cls(segments=segs, **d)
-        except (json.JSONDecodeError, TypeError, KeyError) as e:
+            raw_scans = d.pop("scans", {})
+        except (json.JSONDecodeError, TypeError, KeyError, AttributeError) as e:
+            raise ValueError(f"not a jremat plan JSON: {e}") from e
+        if not isinstance(raw_scans, dict):
+            raise ValueError(
+                f"Plan.scans must be a dict of equation index -> scan setting, got {raw_scans!r}"
+            )
+        scans = {
+            key: ScanSetting.from_dict(cfg, where=f"Plan.scans[{key!r}]")
+            for key, cfg in raw_scans.items()
+        }
+        try:
+            plan = cls(segments=segs, scans=scans, **d)
+        except TypeError as e:
             raise ValueError(f"not a jremat plan JSON: {e}") from e
         plan.validate()
         return plan
@@ -237,15 +438,8 @@ class Plan:
             f"{'seg':>4} {'eqns':>11} {'policy':>16} {'saved':>6} {'stored MiB':>11} "
             f"{'transient MiB':>14} {'recompute GFLOP':>16}  source",
         ]
-        for index, cfg in self.scans.items():
-            pieces = cfg.get("pieces") or [dict(cfg, length=None)]
-            shown = ", ".join(
-                (f"{p['length']} iterations " if p["length"] else "every iteration ")
-                + f"under {p['policy']}"
-                + (f" nested by {p['nest']}" if p.get("nest", 1) > 1 else "")
-                for p in pieces
-            )
-            lines.append(f"{'':>4} scan at equation {index}: {shown}")
+        for index, setting in self.scans.items():
+            lines.append(f"{'':>4} scan at equation {index}: {setting.describe()}")
         for i, s in enumerate(self.segments):
             src = s.source
             lines.append(
@@ -292,43 +486,29 @@ def _check_segment_fields(i: int, s: Any) -> None:
 
 
 def _validate_scans(scans: Any, num_nodes: int) -> None:
-    """Check `Plan.scans`: keys are node indices (strings), values a policy with a nest >= 1,
-    or pieces with positive lengths; raise ValueError naming the entry otherwise."""
-    from jremat import policies
-
-    known = {*policies.names(), *policies.preset_names(), KEEP}
+    """Check `Plan.scans`: keys are equation indices (strings), values `ScanSetting`s (whose
+    fields their constructor checked); raise ValueError naming the entry otherwise."""
     if not isinstance(scans, dict):
-        raise ValueError(f"Plan.scans must be a dict of node index -> config, got {scans!r}")
-    for key, cfg in scans.items():
-        where = f"Plan.scans[{key!r}]"
-        if not str(key).isdigit() or not 0 <= int(key) < num_nodes:
-            raise ValueError(f"{where}: keys are equation indices in [0, {num_nodes}) as strings")
-        if not isinstance(cfg, dict):
-            raise ValueError(f"{where} must be a dict, got {cfg!r}")
-        pieces = cfg.get("pieces")
-        if pieces is not None:
-            if set(cfg) != {"pieces"} or not isinstance(pieces, list) or not pieces:
-                raise ValueError(f"{where}: pieces must be a non-empty list and the only key")
-            for piece in pieces:
-                if set(piece) - {"length", "policy", "nest"} or "length" not in piece:
-                    raise ValueError(f"{where}: a piece has keys length, policy, nest: {piece}")
-                if not isinstance(piece["length"], int) or piece["length"] < 1:
-                    raise ValueError(f"{where}: piece lengths are ints >= 1: {piece}")
-                _check_scan_policy(where, piece, known)
-            continue
-        if set(cfg) - {"policy", "nest"}:
-            raise ValueError(f"{where}: a scan config has keys policy and nest (or pieces): {cfg}")
-        _check_scan_policy(where, cfg, known)
-
-
-def _check_scan_policy(where: str, cfg: dict, known: set) -> None:
-    if cfg.get("policy", "nothing_saveable") not in known:
         raise ValueError(
-            f"{where}: unknown policy {cfg.get('policy')!r}; accepted: {sorted(known)}"
+            f"Plan.scans must be a dict of equation index -> ScanSetting, got {scans!r}"
         )
-    nest = cfg.get("nest", 1)
-    if not isinstance(nest, int) or isinstance(nest, bool) or nest < 1:
-        raise ValueError(f"{where}: nest must be an int >= 1, got {nest!r}")
+    for key, setting in scans.items():
+        where = f"Plan.scans[{key!r}]"
+        if not isinstance(key, str) or not key.isdigit() or not 0 <= int(key) < num_nodes:
+            raise ValueError(f"{where}: keys are equation indices in [0, {num_nodes}) as strings")
+        if not isinstance(setting, ScanSetting):
+            raise ValueError(
+                f"{where} must be a ScanSetting, got {type(setting).__name__} {setting!r} "
+                "(ScanSetting.from_dict reads the JSON form)"
+            )
+
+
+def _scans_json(scans: Any) -> Any:
+    """`Plan.scans` in its JSON form (entries that are not `ScanSetting`s as they are, for
+    `validate` to name)."""
+    if not isinstance(scans, dict):
+        return scans
+    return {k: v.to_dict() if isinstance(v, ScanSetting) else v for k, v in scans.items()}
 
 
 def plan_key(p: Plan | None) -> str:
@@ -340,4 +520,4 @@ def plan_key(p: Plan | None) -> str:
         + (f">{','.join(map(str, s.offloaded))}" if s.offloaded else "")
         for s in p.segments
     )
-    return f"{segs}|{json.dumps(p.scans, sort_keys=True)}"
+    return f"{segs}|{json.dumps(_scans_json(p.scans), sort_keys=True)}"

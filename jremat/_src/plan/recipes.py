@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import math
 
-from jremat._src.plan.plan import Plan
+from jremat._src.plan.plan import Plan, ScanSetting
 from jremat._src.trace.graph import Graph
 from jremat._src.trace.layers import layer_segments, sqrt_divisor
 
@@ -22,7 +22,7 @@ ANCHOR_RECIPES = (
 
 
 # -- fixed recipes: built-in policies per layer, sqrt(n), scans over layers --------------------
-def scan_configs(graph: Graph) -> list[dict[str, dict]]:
+def scan_configs(graph: Graph) -> list[dict[str, ScanSetting]]:
     """Loop rematerializations to try for the graph's top-level scans (one decision for every
     iteration): the body under nothing / dots-without-batch / dots saveable, and sqrt(L)
     nesting (outer scan over checkpointed inner scans) keeping or recomputing the inner body.
@@ -39,13 +39,13 @@ def scan_configs(graph: Graph) -> list[dict[str, dict]]:
         ("nothing_saveable", 0),
     ]
     for policy, nest in options:
-        cfg = {}
+        cfg: dict[str, ScanSetting] = {}
         for node in scans:
             length = int(node.eqn.params["length"])
             k = nest or sqrt_divisor(length)
             if nest == 0 and k <= 1:
                 continue
-            cfg[str(node.index)] = {"policy": policy, "nest": k}
+            cfg[str(node.index)] = ScanSetting(policy, k)
         if cfg:
             configs.append(cfg)
     return configs

@@ -15,7 +15,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from jremat._src.base import compat as _compat
 from jremat._src.base.errors import PlanMismatchError
-from jremat._src.plan.plan import KEEP, SAVE_NAMES, Plan, Segment
+from jremat._src.plan.plan import KEEP, SAVE_NAMES, Plan, ScanPiece, ScanSetting, Segment
 from jremat._src.trace.graph import Graph, build_graph, is_literal, signature
 
 
@@ -43,12 +43,19 @@ def segment_io(graph: Graph, seg: Segment) -> tuple[list[int], list[int]]:
 
 
 def _eval_nodes(
-    nodes: Sequence[Any], env: dict[int, Any], tag: dict[int, str], scans: dict | None = None
+    nodes: Sequence[Any],
+    env: dict[int, Any],
+    tag: dict[int, str],
+    scans: dict[str, ScanSetting] | None = None,
 ) -> None:
     for node in nodes:
         invals = [x.val if is_literal(x) else env[x] for x in node.inputs]
-        cfg = (scans or {}).get(str(node.index))
-        outs = remat_scan(node.eqn, invals, **cfg) if cfg else _compat.bind(node.eqn, invals)
+        scan = (scans or {}).get(str(node.index))  # a ScanSetting, or None
+        outs = (
+            _compat.bind(node.eqn, invals)
+            if scan is None
+            else remat_scan(node.eqn, invals, scan.policy, scan.nest, scan.pieces)
+        )
         for o, val in zip(node.outputs, outs, strict=True):
             env[o] = checkpoint_name(val, tag[o]) if o in tag else val
 
@@ -58,7 +65,7 @@ def remat_scan(
     invals: list[Any],
     policy: str = "nothing_saveable",
     nest: int = 1,
-    pieces: Sequence[dict] | None = None,
+    pieces: Sequence[ScanPiece] | None = None,
 ):
     """Evaluate a `scan` equation with its body under `jax.checkpoint(policy)`.
 
@@ -68,12 +75,12 @@ def remat_scan(
     is stored. `prevent_cse` is off: inside a loop it changes nothing
     (docs/design.md#facts-about-jax-remat, fact 4).
 
-    With `pieces` (a list of `{"length": n, "policy": p, "nest": k}` whose lengths sum to the
-    scan's length), the loop is split into consecutive scans over slices of its `xs`, each
-    with its own body policy: the first n1 iterations under p1, the next n2 under p2, and so
-    on (in iteration order, so from the end of `xs` for a reverse scan); a piece's policy
-    "keep" runs its iterations without a checkpoint. Memory and recompute
-    then lie between the pure policies, in proportion to the lengths.
+    With `pieces` (`ScanPiece`s whose lengths sum to the scan's length), the loop is split
+    into consecutive scans over slices of its `xs`, each with its own body policy: the first
+    n1 iterations under p1, the next n2 under p2, and so on (in iteration order, so from the
+    end of `xs` for a reverse scan); a piece's policy "keep" runs its iterations without a
+    checkpoint. Memory and recompute then lie between the pure policies, in proportion to
+    the lengths.
     """
     if pieces:
         return _remat_scan_pieces(eqn, invals, pieces)
@@ -120,9 +127,9 @@ def remat_scan(
     return [*carry_out, *[y.reshape((length,) + y.shape[2:]) for y in ys]]
 
 
-def _remat_scan_pieces(eqn: Any, invals: list[Any], pieces: Sequence[dict]) -> list[Any]:
+def _remat_scan_pieces(eqn: Any, invals: list[Any], pieces: Sequence[ScanPiece]) -> list[Any]:
     length = int(eqn.params["length"])
-    lengths = [int(p["length"]) for p in pieces]
+    lengths = [p.length for p in pieces]
     if sum(lengths) != length or min(lengths) < 1:
         raise ValueError(f"scan pieces {lengths} must be positive and sum to its length {length}")
     n_consts, n_carry = _compat.scan_partition(eqn)
@@ -134,8 +141,8 @@ def _remat_scan_pieces(eqn: Any, invals: list[Any], pieces: Sequence[dict]) -> l
     for piece, n in zip(pieces, lengths, strict=True):
         lo, hi = (length - off - n, length - off) if reverse else (off, off + n)
         piece_eqn = _compat.with_params(eqn, dict(eqn.params, length=n))
-        cfg = {k: v for k, v in piece.items() if k != "length"}
-        outs = remat_scan(piece_eqn, [*consts, *carry, *[x[lo:hi] for x in xs]], **cfg)
+        piece_in = [*consts, *carry, *[x[lo:hi] for x in xs]]
+        outs = remat_scan(piece_eqn, piece_in, policy=piece.policy, nest=piece.nest)
         carry, ys = list(outs[:n_carry]), outs[n_carry:]
         ys_parts.append(ys)
         off += n

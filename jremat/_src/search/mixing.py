@@ -12,7 +12,7 @@ import itertools
 from collections.abc import Callable
 from typing import Any
 
-from jremat._src.plan.plan import KEEP, Plan
+from jremat._src.plan.plan import KEEP, Plan, ScanPiece, ScanSetting
 
 #: Per-unit choices mixed, from most memory (no remat) to least.
 UNIT_POLICIES = (
@@ -45,16 +45,13 @@ def scan_mix_plan(graph: Any, policies: list[str]) -> Plan:
         if node.primitive != "scan":
             continue
         length = int(node.eqn.params["length"])
-        pieces: list[dict] = []
-        for pol in policies[:length]:
-            if pieces and pieces[-1]["policy"] == pol:
-                pieces[-1]["length"] += 1
-            else:
-                pieces.append({"length": 1, "policy": pol, "nest": 1})
-        if len(pieces) == 1 and pieces[0]["policy"] == KEEP:
+        runs = [(pol, len(list(group))) for pol, group in itertools.groupby(policies[:length])]
+        if len(runs) == 1 and runs[0][0] == KEEP:
             continue  # the loop as it was
         plan.scans[str(node.index)] = (
-            {"policy": pieces[0]["policy"], "nest": 1} if len(pieces) == 1 else {"pieces": pieces}
+            ScanSetting(runs[0][0])
+            if len(runs) == 1
+            else ScanSetting(pieces=tuple(ScanPiece(n, pol) for pol, n in runs))
         )
     return plan
 
