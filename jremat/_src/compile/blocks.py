@@ -15,8 +15,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from jremat._src.base import compat as _compat
-from jremat._src.compile.program import Compiled, Program
-from jremat._src.compile.xla import compile_step, scan_flops_correction, xla_flops
+from jremat._src.compile.program import Compiled, Objective, Program
+from jremat._src.compile.xla import MemoryFigures
 from jremat._src.plan.plan import KEEP, SAVE_NAMES, Plan, Segment
 from jremat._src.plan.rewrite import run_graph
 from jremat._src.trace.graph import Graph
@@ -125,33 +125,31 @@ def has_cotangent(outs: Sequence[Any], ct_mask: Sequence[bool]) -> bool:
 
 
 # -- planning a block ------------------------------------------------------------------------
-class BlockProgram(Program):
-    """A block at one signature, planned by its compiled *kept bytes* (docs/design.md#flax-blocks).
+class KeptBytes(Objective):
+    """The objective of a block: its compiled *kept bytes* (docs/design.md#flax-blocks), one `Program.step` per plan like any program's.
 
-    `compile(plan)` reports, as `temp_bytes`, the temp bytes the block under `plan` adds to a
-    step in which an unrematerialized copy of it runs after it; `flops` are that step's
-    compiled FLOPs (the copy's are the same for every plan); `fixed_bytes` is 0, so a byte
-    budget caps the kept bytes. Plans are compiled with `prevent_cse=True` whatever the block
-    runs with: this program is unrolled, and without the barrier XLA would merge the recompute
-    into the forward pass (docs/design.md#facts-about-jax-remat, fact 4), while inside a scan
-    body the loop boundary does that.
+    For a plan of the surrogate loss it compiles a step in which the block under the plan
+    (mapped onto the block's graph by `block_plan`) runs, then an unrematerialized copy of it;
+    `figures` reports, as `temp_bytes`, the temp bytes the block under the plan adds to that
+    step: `temp(block under plan -> copy) - temp(block alone)` (the second compiled once per
+    program, through the same path); `flops` are that step's compiled FLOPs (the copy's are
+    the same for every plan); `fixed_bytes` is 0, so a byte budget caps the kept bytes. Plans
+    are compiled with `prevent_cse=True` whatever the block runs with: this program is
+    unrolled, and without the barrier XLA would merge the recompute into the forward pass
+    (docs/design.md#facts-about-jax-remat, fact 4), while inside a scan body the loop boundary does that.
     """
 
-    def __init__(
-        self,
-        f: Callable[..., Any],
-        block: Graph,
-        args: Sequence[Any],
-        ct_mask: Sequence[bool],
-    ):
-        super().__init__(surrogate_loss(f, ct_mask), args, 0)
+    def __init__(self, f: Callable[..., Any], block: Graph, ct_mask: Sequence[bool]):
         self.block_fn, self.block, self.ct_mask = f, block, list(ct_mask)
-        self._alone: int | None = None
-        block_plan(copy.deepcopy(Plan.identity(self.graph)), block, self.graph)  # invariant
+        #: compiled temp bytes of the surrogate loss's step alone (read at the first figures)
+        self.alone_temp_bytes: int | None = None
 
-    def _two_copies(self, p: Plan | None) -> Callable[..., Any]:
+    def step_fn(self, prog: Program, plan: Plan | None) -> Callable[..., Any]:
+        """The block under `plan`, then an unrematerialized copy of it, each paired with
+        fixed tangents (`pairing`); the copy's inputs depend on the first's outputs through a
+        zero-valued tie, so it runs after it."""
         f, block, mask = self.block_fn, self.block, self.ct_mask
-        bp = None if p is None else block_plan(copy.deepcopy(p), block, self.graph)
+        bp = None if plan is None else block_plan(copy.deepcopy(plan), block, prog.graph)
 
         def step(diff, rest):
             if bp is None or bp.is_identity:
@@ -166,17 +164,32 @@ class BlockProgram(Program):
 
         return step
 
-    def compile(self, plan: Plan | None) -> Compiled:
-        if self._alone is None:
-            exe = compile_step(self.fn, self.args, self.nums)
-            self._alone = int(exe.memory_analysis().temp_size_in_bytes)
-        step = self._two_copies(plan)
-        exe = compile_step(step, self.args, self.nums)
-        flops = xla_flops(exe)
-        if self.has_scan:
-            flops += scan_flops_correction(step, self.args, self.nums)
-        kept = int(exe.memory_analysis().temp_size_in_bytes) - self._alone
+    def figures(self, prog: Program, mem: MemoryFigures, flops: float) -> Compiled:
+        """Kept bytes as `temp_bytes`, the two-copy step's FLOPs, `fixed_bytes` 0."""
+        if self.alone_temp_bytes is None:
+            exe, _ = prog.compile_fn(prog.fn, scan_flops=False)
+            self.alone_temp_bytes = MemoryFigures.of(exe).temp_bytes
+        kept = mem.temp_bytes - self.alone_temp_bytes
         return Compiled(temp_bytes=max(kept, 0), flops=flops, fixed_bytes=0)
+
+
+class BlockProgram(Program):
+    """A block at one signature, planned by its compiled kept bytes: a `Program` of the
+    block's surrogate loss (`surrogate_loss`) whose objective is `KeptBytes`, so `compile`,
+    `step`, `tried` and `baseline` report kept bytes (`fixed_bytes` 0)."""
+
+    def __init__(
+        self,
+        f: Callable[..., Any],
+        block: Graph,
+        args: Sequence[Any],
+        ct_mask: Sequence[bool],
+    ):
+        super().__init__(
+            surrogate_loss(f, ct_mask), args, 0, objective=KeptBytes(f, block, ct_mask)
+        )
+        self.block_fn, self.block, self.ct_mask = f, block, list(ct_mask)
+        block_plan(copy.deepcopy(Plan.identity(self.graph)), block, self.graph)  # invariant
 
     def anchors(self, planner) -> list[tuple[Plan, Compiled]]:
         """The planner's min-memory plan, then the whole block under one checkpoint with each

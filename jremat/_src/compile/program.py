@@ -15,9 +15,9 @@ from typing import Any
 
 import jax
 
-from jremat._src.base.args import check_differentiable, normalize_argnums
+from jremat._src.base.args import check_differentiable, check_scalar_output, normalize_argnums
 from jremat._src.base.sharding import manual_axes, shard_args
-from jremat._src.compile.xla import compile_figures
+from jremat._src.compile.xla import MemoryFigures, compile_figures
 from jremat._src.plan.offload import OffloadCost, host_offload_effective, offload_proxy, offloads
 from jremat._src.plan.plan import Plan, plan_key
 from jremat._src.plan.planners import PLANNERS
@@ -46,8 +46,31 @@ class Compiled:
     offload_temp_bytes: int | None = None
 
 
+class Objective:
+    """What a `Program` compiles for a plan, and how it reads the executable's figures.
+
+    `Program.step` compiles `jit(value_and_grad(objective.step_fn(prog, plan)))` at the
+    program's arguments (one path: memo per plan structure, `tried` log, host-offload proxy,
+    `shard_map` axes) and turns its memory figures and FLOPs into `Compiled` with
+    `objective.figures`. This default is a training step of the program's loss: `fn`
+    rewritten under the plan, its compiled temp bytes and argument + output - alias bytes.
+    (`jremat._src.compile.blocks.KeptBytes` is the objective of a Flax block.)
+    """
+
+    def step_fn(self, prog: Program, plan: Plan | None) -> Callable[..., Any]:
+        """The scalar function whose `value_and_grad` is compiled for `plan` (None: no remat)."""
+        return prog.fn if plan is None else rematerialize(prog.fn, plan)
+
+    def figures(self, prog: Program, mem: MemoryFigures, flops: float) -> Compiled:
+        """The plan's figures from its compiled step's memory figures and FLOPs."""
+        return Compiled(mem.temp_bytes, flops, mem.fixed_bytes)
+
+
 class Program:
-    """One function at one signature: its graph, and compiled figures of plans on it."""
+    """One function at one signature: its graph, and compiled figures of plans on it.
+
+    What a plan compiles to and which figures are reported is the `objective` (default
+    `Objective()`: a training step of `fn`, its temp bytes)."""
 
     def __init__(
         self,
@@ -57,6 +80,7 @@ class Program:
         in_shardings: Any = None,
         mesh: Any = None,
         graph: Graph | None = None,
+        objective: Objective | None = None,
     ):
         """`graph`: `fn` already traced at these arguments (`build_graph`), reused instead of
         tracing it again; its outputs are checked to be a scalar float loss."""
@@ -67,8 +91,6 @@ class Program:
         # shapes, dtypes and the sharding each argument runs under (base/sharding.py)
         self.args = shard_args(args, in_shardings, mesh)
         check_differentiable(self.args, self.nums)
-        from jremat._src.base.args import check_scalar_output
-
         if graph is None:
             check_scalar_output(fn, self.args)
             graph = build_graph(fn, self.args, self.nums)
@@ -83,26 +105,25 @@ class Program:
         self._steps: dict[str, tuple[Compiled, Any, float]] = {}
         self.tried: list[tuple[Plan, Compiled]] = []  # every plan compiled on this program
         self._anchors: dict = {}
+        self.objective = Objective() if objective is None else objective
 
     def compile(self, plan: Plan | None) -> Compiled:
-        """Compiled temp bytes and FLOPs of one training step under `plan` (None: no remat).
-        Memoized per plan structure: the same segments and saves compile once."""
+        """The objective's figures under `plan` (None: no remat); by default the compiled temp
+        bytes and FLOPs of one training step. Memoized per plan structure: the same segments
+        and saves compile once."""
         return self.step(plan)[0]
 
     def step(self, plan: Plan | None) -> tuple[Compiled, Any, float]:
-        """(figures, executable, compile seconds) of `jit(value_and_grad)` under `plan`,
-        compiled once per plan structure; every compiled plan is also listed in `tried`."""
+        """(figures, executable, compile seconds) of `jit(value_and_grad)` of the objective's
+        function under `plan`, compiled once per plan structure; every compiled plan is also
+        listed in `tried`."""
         key = plan_key(plan)
         if key not in self._steps:
-            f = self.fn if plan is None else rematerialize(self.fn, plan)
+            f = self.objective.step_fn(self, plan)
             t0 = time.perf_counter()
-            exe, flops = compile_figures(
-                f, self.args, self.nums, manual_axes=self.manual_axes, scan_flops=self.has_scan
-            )
+            exe, flops = self.compile_fn(f, scan_flops=self.has_scan)
             seconds = time.perf_counter() - t0
-            mem = exe.memory_analysis()
-            fixed = mem.argument_size_in_bytes + mem.output_size_in_bytes - mem.alias_size_in_bytes
-            compiled = Compiled(int(mem.temp_size_in_bytes), flops, int(fixed))
+            compiled = self.objective.figures(self, MemoryFigures.of(exe), flops)
             if offloads(plan) and not host_offload_effective():
                 # the offload is a no-op here: device memory from the proxy
                 # (docs/design.md#host-offload); FLOPs and executable stay the offload plan's own
@@ -114,6 +135,14 @@ class Program:
             if plan is not None and not plan.is_identity:
                 self.tried.append((copy.deepcopy(plan), compiled))
         return self._steps[key]
+
+    def compile_fn(self, f: Callable[..., Any], *, scan_flops: bool = True) -> tuple[Any, float]:
+        """(executable, FLOPs) of `jit(value_and_grad(f))` at this program's arguments and
+        argnums, inside a `shard_map` body under its mesh axes (`compile_figures`). Not
+        memoized: `step` memoizes plans."""
+        return compile_figures(
+            f, self.args, self.nums, manual_axes=self.manual_axes, scan_flops=scan_flops
+        )
 
     @property
     def baseline(self) -> Compiled:

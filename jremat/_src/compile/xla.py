@@ -1,9 +1,10 @@
-"""Compile `jit(value_and_grad(fn))` and read XLA's figures: `memory_analysis()` bytes and
-`cost_analysis()` FLOPs with scan bodies counted once per trip; `shard_map` bodies are
-compiled in a helper thread. What the figures mean: docs/design.md#measuring."""
+"""Where jremat meets XLA: the one compile call (`compile_jitted`), the memory figures of a
+compiled program (`MemoryFigures`), and the FLOPs of a compiled training step (scan bodies
+counted once per trip). What the figures mean: docs/design.md#measuring."""
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -14,11 +15,76 @@ from jremat._src.base import compat as _compat
 from jremat._src.base import sharding
 
 
+def compile_jitted(jitted: Any, args: Sequence[Any]) -> Any:
+    """`jitted.lower(*args).compile()`: the one call through which jremat reaches XLA's
+    compiler (training steps, scan bodies, `jremat.measure`, `jremat.plan_training`). Call it
+    as `xla.compile_jitted` (module attribute) so that one patch sees every compile."""
+    return jitted.lower(*args).compile()
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryFigures:
+    """A compiled program's `memory_analysis()` in bytes (per device for an SPMD program).
+
+    `fixed_bytes` (argument + output - alias) and `footprint_bytes` (fixed + temp) are
+    computed here and nowhere else in jremat.
+    """
+
+    temp_bytes: int
+    argument_bytes: int
+    output_bytes: int
+    alias_bytes: int
+
+    @property
+    def fixed_bytes(self) -> int:
+        """argument + output - alias bytes: what the program holds besides its temporaries."""
+        return self.argument_bytes + self.output_bytes - self.alias_bytes
+
+    @property
+    def footprint_bytes(self) -> int:
+        """fixed + temp bytes: the device memory of one run of the program."""
+        return self.fixed_bytes + self.temp_bytes
+
+    @classmethod
+    def of(cls, executable: Any) -> MemoryFigures:
+        """The figures of a compiled executable (`compile_jitted`'s result)."""
+        mem = executable.memory_analysis()
+        return cls(
+            temp_bytes=int(mem.temp_size_in_bytes),
+            argument_bytes=int(mem.argument_size_in_bytes),
+            output_bytes=int(mem.output_size_in_bytes),
+            alias_bytes=int(mem.alias_size_in_bytes),
+        )
+
+
 def compile_step(fn: Callable[..., Any], args: Sequence[Any], argnums: tuple[int, ...]) -> Any:
     """Lower and compile `jit(value_and_grad(fn, argnums))` for `args` (arrays or avals, whose
     shardings it compiles under: `memory_analysis()` is then per device)."""
     nums = argnums[0] if len(argnums) == 1 else argnums
-    return jax.jit(jax.value_and_grad(fn, argnums=nums)).lower(*args).compile()
+    return compile_jitted(jax.jit(jax.value_and_grad(fn, argnums=nums)), args)
+
+
+def step_flops(
+    executable: Any,
+    fn: Callable[..., Any],
+    args: Sequence[Any],
+    argnums: tuple[int, ...],
+    *,
+    scan_flops: bool = True,
+    spmd: bool = True,
+) -> float:
+    """FLOPs of `compile_step(fn, args, argnums)`'s `executable`: XLA's count plus, when
+    `scan_flops`, every scan body once more per extra trip (`scan_flops_correction`).
+
+    Under sharded jit (`spmd`) the bodies are costed on global shapes: a device's share is
+    1/devices of them (data and tensor parallelism split a body's work evenly); a
+    `shard_map` body's scans (`spmd=False`) already have per-device shapes.
+    """
+    flops = xla_flops(executable)
+    if scan_flops:
+        extra = scan_flops_correction(fn, args, argnums)
+        flops += extra / _num_devices(executable) if spmd else extra
+    return flops
 
 
 def compile_figures(
@@ -39,14 +105,7 @@ def compile_figures(
 
     def run(f: Callable[..., Any], a: Sequence[Any], spmd: bool) -> tuple[Any, float]:
         exe = compile_step(f, a, argnums)
-        flops = xla_flops(exe)
-        if scan_flops:
-            extra = scan_flops_correction(f, a, argnums)
-            # under sharded jit the bodies are costed on global shapes: a device's share is
-            # 1/devices of them (data and tensor parallelism split a body's work evenly);
-            # a shard_map body's scans already have per-device shapes
-            flops += extra / _num_devices(exe) if spmd else extra
-        return exe, flops
+        return exe, step_flops(exe, f, a, argnums, scan_flops=scan_flops, spmd=spmd)
 
     if not manual_axes:
         return run(fn, args, True)
@@ -124,7 +183,7 @@ def _compiled_body_flops(body: Any) -> float:
     jaxpr, consts = _compat.closed(body)
     closed_body = body if consts or hasattr(body, "consts") else jc.ClosedJaxpr(jaxpr, [])
     avals = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in jaxpr.invars]
-    return xla_flops(jax.jit(jaxpr_as_fun(closed_body)).lower(*avals).compile())
+    return xla_flops(compile_jitted(jax.jit(jaxpr_as_fun(closed_body)), avals))
 
 
 def outside_trace(thunk: Callable[[], Any]) -> Any:

@@ -15,13 +15,7 @@ import jax
 
 from jremat._src.base import sharding
 from jremat._src.base.args import check_scalar_output, normalize_argnums
-from jremat._src.compile.xla import (
-    _num_devices,
-    compile_step,
-    mesh_size,
-    scan_flops_correction,
-    xla_flops,
-)
+from jremat._src.compile.xla import MemoryFigures, compile_step, mesh_size, step_flops
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,14 +92,8 @@ def measure(
     t0 = time.perf_counter()
     compiled = compile_step(fn, avals, nums)
     compile_seconds = time.perf_counter() - t0
-    mem = compiled.memory_analysis()
-    temp = int(mem.temp_size_in_bytes)
-    arg, out, alias = (
-        int(mem.argument_size_in_bytes),
-        int(mem.output_size_in_bytes),
-        int(mem.alias_size_in_bytes),
-    )
-    flops = xla_flops(compiled) + scan_flops_correction(fn, avals, nums) / _num_devices(compiled)
+    mem = MemoryFigures.of(compiled)
+    flops = step_flops(compiled, fn, avals, nums)
     step = None
     if runs:
         if in_shardings is not None:  # place the arrays as the step was compiled for
@@ -119,14 +107,14 @@ def measure(
         jax.block_until_ready(compiled(*args))  # warm-up
         step = median_step_seconds(compiled, args, runs)
     return Measurement(
-        temp_bytes=temp,
-        footprint_bytes=arg + out - alias + temp,
+        temp_bytes=mem.temp_bytes,
+        footprint_bytes=mem.footprint_bytes,
         flops=flops,
         compile_seconds=compile_seconds,
         step_seconds=step,
-        argument_bytes=arg,
-        output_bytes=out,
-        alias_bytes=alias,
+        argument_bytes=mem.argument_bytes,
+        output_bytes=mem.output_bytes,
+        alias_bytes=mem.alias_bytes,
         num_devices=mesh_size(avals),
     )
 
@@ -139,5 +127,3 @@ def median_step_seconds(executable: Any, args: Sequence[Any], runs: int) -> floa
         jax.block_until_ready(executable(*args))
         times.append(time.perf_counter() - t)
     return statistics.median(times)
-
-

@@ -19,8 +19,8 @@ from jremat._src.base import compat as _compat
 from jremat._src.base.args import abstract_args
 from jremat._src.base.budget import parse_budget
 from jremat._src.base.errors import InfeasibleBudgetError
+from jremat._src.compile import xla
 from jremat._src.compile.program import Program
-from jremat._src.compile.xla import jaxpr_scan_correction, xla_flops
 from jremat._src.plan.plan import Plan, plan_key
 from jremat._src.plan.rewrite import rematerialize
 from jremat._src.search.solve import solve
@@ -125,20 +125,13 @@ def _step(vg: Callable[..., Any], optimizer: Any):
 def _measure(vg, optimizer, args: Sequence[Any]) -> tuple[int, int, float]:
     """(footprint bytes, temp bytes, flops) of the compiled train step."""
     jitted, raw = _step(vg, optimizer)
-    compiled = jitted.lower(*args).compile()
-    mem = compiled.memory_analysis()
-    temp = int(mem.temp_size_in_bytes)
-    footprint = (
-        int(mem.argument_size_in_bytes)
-        + int(mem.output_size_in_bytes)
-        - int(mem.alias_size_in_bytes)
-        + temp
-    )
+    compiled = xla.compile_jitted(jitted, args)
+    mem = xla.MemoryFigures.of(compiled)
     # XLA counts a loop body once; add (trips - 1) bodies for every scan (the microbatch loop
     # and any scan inside the loss).
     jaxpr = jax.make_jaxpr(raw if raw is not None else vg)(*args)
-    flops = xla_flops(compiled) + jaxpr_scan_correction(_compat.closed(jaxpr)[0], {})
-    return footprint, temp, flops
+    flops = xla.xla_flops(compiled) + xla.jaxpr_scan_correction(_compat.closed(jaxpr)[0], {})
+    return mem.footprint_bytes, mem.temp_bytes, flops
 
 
 def plan_training(

@@ -1,0 +1,161 @@
+"""One compile path: every compile jremat does goes through `xla.compile_jitted`, and a
+compiled program's memory figures are read in one place (`xla.MemoryFigures`).
+
+The compile function is wrapped with a counter (patched on the module, where every caller looks
+it up); JAX's own AOT `Lowered.compile` is counted too, to show nothing in jremat compiles
+around the wrapper. Tiny shapes: each test compiles a few small programs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import chex
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import pytest
+
+import jremat
+from jremat._src.compile import xla
+from jremat._src.compile.blocks import BlockProgram
+from jremat._src.compile.program import Program
+
+
+@dataclasses.dataclass
+class Counts:
+    jremat: int = 0  # calls of xla.compile_jitted
+    aot: int = 0  # calls of jax.stages.Lowered.compile (from anywhere)
+
+
+@pytest.fixture
+def compiles(monkeypatch):
+    counts = Counts()
+    real_compile_jitted = xla.compile_jitted
+    real_lowered_compile = jax.stages.Lowered.compile
+
+    def compile_jitted(jitted, args):
+        counts.jremat += 1
+        return real_compile_jitted(jitted, args)
+
+    def lowered_compile(self, *a, **kw):
+        counts.aot += 1
+        return real_lowered_compile(self, *a, **kw)
+
+    monkeypatch.setattr(xla, "compile_jitted", compile_jitted)
+    monkeypatch.setattr(jax.stages.Lowered, "compile", lowered_compile)
+    return counts
+
+
+def _mlp(depth: int = 4, width: int = 16, batch: int = 64, hidden: int = 64):
+    """A residual tanh MLP: (batch, width) -> (batch, hidden) -> (batch, width) per layer."""
+    keys = jax.random.split(jax.random.key(0), 2 * depth + 1)
+    params = [
+        (
+            jax.random.normal(keys[2 * i], (width, hidden)) * width**-0.5,
+            jax.random.normal(keys[2 * i + 1], (hidden, width)) * hidden**-0.5,
+        )
+        for i in range(depth)
+    ]
+    x = jax.random.normal(keys[-1], (batch, width))
+
+    def loss(params, x):
+        for i, (w1, w2) in enumerate(params):
+            with jax.named_scope(f"layer_{i}"):
+                x = x + jnp.tanh(x @ w1) @ w2
+        return jnp.mean(x**2)
+
+    return loss, params, x
+
+
+class TwoDense(nn.Module):
+    """Dense(256), GELU, Dense back: its kept bytes (mostly the GELU's (64, 256) residuals)
+    drop to about 0.12 of the unrematerialized block's under one whole-block checkpoint."""
+
+    @nn.compact
+    def __call__(self, x):
+        return nn.Dense(x.shape[-1])(nn.gelu(nn.Dense(256)(x)))
+
+
+def _only_through_compile_jitted(counts: Counts) -> None:
+    assert counts.jremat > 0
+    assert counts.aot == counts.jremat  # no AOT compile in jremat bypasses compile_jitted
+
+
+def test_plan_compiles_through_compile_jitted(compiles):
+    loss, params, x = _mlp()
+    plan = jremat.plan(loss, params, x, budget=0.5, solver="chain", max_rounds=1)
+    assert plan.measured_temp_bytes <= 0.5 * plan.baseline_temp_bytes
+    _only_through_compile_jitted(compiles)
+
+
+def test_measure_compiles_once_and_reads_memory_figures(compiles):
+    loss, params, x = _mlp()
+    m = jremat.measure(loss, params, x)
+    assert (compiles.jremat, compiles.aot) == (1, 1)
+    exe = xla.compile_step(loss, (params, x), (0,))
+    mem = xla.MemoryFigures.of(exe)
+    got = (m.temp_bytes, m.argument_bytes, m.output_bytes, m.alias_bytes, m.footprint_bytes)
+    want = (mem.temp_bytes, mem.argument_bytes, mem.output_bytes, mem.alias_bytes)
+    chex.assert_trees_all_close(got, (*want, mem.footprint_bytes))
+
+
+def test_plan_training_compiles_through_compile_jitted(compiles):
+    loss, params, x = _mlp()
+    tp = jremat.plan_training(loss, params, x, budget="1GiB", candidates=[1])
+    assert tp.num_microbatches == 1 and tp.plan is None
+    _only_through_compile_jitted(compiles)
+
+
+def test_flax_block_compiles_through_compile_jitted(compiles):
+    x = jnp.ones((64, 16))
+    cls = jremat.auto(TwoDense, budget=0.5, solver="chain", max_rounds=1)
+    variables = jax.jit(cls().init)(jax.random.key(0), x)
+    assert compiles.jremat == 0  # init is not planned
+    jax.grad(lambda v: jnp.sum(cls().apply(v, x) ** 2))(variables)
+    (plan,) = cls.plan_cache.plans.values()
+    assert plan.measured_temp_bytes is not None
+    _only_through_compile_jitted(compiles)
+
+
+def test_memory_figures_match_memory_analysis():
+    loss, params, x = _mlp(depth=2)
+    jitted = jax.jit(jax.value_and_grad(loss), donate_argnums=0)
+    exe = xla.compile_jitted(jitted, (params, x))
+    mem = exe.memory_analysis()
+    got = xla.MemoryFigures.of(exe)
+    want = dict(
+        temp_bytes=mem.temp_size_in_bytes,
+        argument_bytes=mem.argument_size_in_bytes,
+        output_bytes=mem.output_size_in_bytes,
+        alias_bytes=mem.alias_size_in_bytes,
+    )
+    chex.assert_trees_all_close(dataclasses.asdict(got), want)
+    fixed = mem.argument_size_in_bytes + mem.output_size_in_bytes - mem.alias_size_in_bytes
+    assert got.alias_bytes > 0  # the donated parameters alias the gradients
+    chex.assert_trees_all_close(
+        (got.fixed_bytes, got.footprint_bytes), (fixed, fixed + mem.temp_size_in_bytes)
+    )
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        got.temp_bytes = 0  # type: ignore[misc]
+
+
+def test_block_program_uses_program_step(compiles):
+    """A block's kept bytes go through `Program.step`: memoized per plan, logged in `tried`."""
+    assert "compile" not in vars(BlockProgram) and "step" not in vars(BlockProgram)
+    from jremat._src.compile.blocks import block_fn, whole_block_plan
+    from jremat._src.trace.graph import build_graph
+
+    x = jnp.ones((64, 16))
+    variables = TwoDense().init(jax.random.key(0), x)
+    closed = jax.make_jaxpr(lambda v, x: TwoDense().apply(v, x))(variables, x)
+    f, args = block_fn(closed, jax.tree_util.tree_leaves((variables, x)))
+    block = build_graph(f, args)
+    prog = BlockProgram(f, block, args, [True])
+    assert isinstance(prog, Program)
+    plan = whole_block_plan(prog.graph, block.num_nodes)
+    c = prog.compile(plan)
+    n = compiles.jremat
+    assert prog.compile(plan) == c and compiles.jremat == n  # memoized
+    assert [k for _, k in prog.tried] == [c] and c.fixed_bytes == 0
+    assert 0 <= c.temp_bytes <= prog.baseline.temp_bytes
