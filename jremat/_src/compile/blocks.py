@@ -126,7 +126,8 @@ def has_cotangent(outs: Sequence[Any], ct_mask: Sequence[bool]) -> bool:
 
 # -- planning a block ------------------------------------------------------------------------
 class KeptBytes(Objective):
-    """The objective of a block: its compiled *kept bytes* (docs/design.md#flax-blocks), one `Program.step` per plan like any program's.
+    """The objective of a block: its compiled *kept bytes* (docs/design.md#flax-blocks), one
+    `Program.step` per plan like any program's.
 
     For a plan of the surrogate loss it compiles a step in which the block under the plan
     (mapped onto the block's graph by `block_plan`) runs, then an unrematerialized copy of it;
