@@ -137,7 +137,8 @@ class KeptBytes(Objective):
     the same for every plan); `fixed_bytes` is 0, so a byte budget caps the kept bytes. Plans
     are compiled with `prevent_cse=True` whatever the block runs with: this program is
     unrolled, and without the barrier XLA would merge the recompute into the forward pass
-    (docs/design.md#facts-about-jax-remat, fact 4), while inside a scan body the loop boundary does that.
+    (docs/design.md#facts-about-jax-remat, fact 4), while inside a scan body the loop
+    boundary does that.
     """
 
     def __init__(self, f: Callable[..., Any], block: Graph, ct_mask: Sequence[bool]):
