@@ -61,7 +61,7 @@ def builtins(prog: Program) -> list[tuple[str, object]]:
         p = jremat.Plan.identity(prog.graph)
         p.scans = cfg
         c0 = next(iter(cfg.values()))
-        out.append((f"scan body {c0['policy']} nest {c0['nest']}", prog.compile(p)))
+        out.append((f"scan body {c0.policy} nest {c0.nest}", prog.compile(p)))
     return out
 
 

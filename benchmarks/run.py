@@ -126,9 +126,9 @@ def run_model(name, loss, params, batch, budgets, solvers, rows):
     for cfg in scan_configs(prog.graph):  # nn.scan(nn.remat(Block, policy)) and sqrt(L) nesting
         c0 = next(iter(cfg.values()))
         label = (
-            f"{c0['policy']} on scan body"
-            if c0["nest"] == 1
-            else f"nested scan k={c0['nest']} ({c0['policy']} inner)"
+            f"{c0.policy} on scan body"
+            if c0.nest == 1
+            else f"nested scan k={c0.nest} ({c0.policy} inner)"
         )
         p = jremat.Plan.identity(prog.graph)
         p.scans = cfg
