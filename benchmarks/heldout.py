@@ -118,7 +118,7 @@ def model_rows(name: str, budgets) -> tuple[list[str], list[float], list[str]]:
 
 
 def calibration_row(name: str, prog: Program) -> str:
-    """Leave-one-out error of the fitted cost model (`ChainPlanner.calibrate`) on every
+    """Leave-one-out error of the fitted cost model (`SegmentModel.calibrate`) on every
     compiled plan it describes: each plan's temp is predicted by the model fitted to all the
     other compiled plans, then compared with XLA's. FLOPs: the model's recompute FLOPs added
     to the unrematerialized program's compiled FLOPs, against the plan's compiled FLOPs."""
@@ -126,17 +126,17 @@ def calibration_row(name: str, prog: Program) -> str:
 
     import numpy as np
 
-    planner = copy.copy(prog.planner("chain", 160))
+    model = copy.copy(prog.planner("chain", 160).model)  # calibrated here only
     base = prog.baseline
     compiled = [(jremat.Plan.identity(prog.graph), base)] + list(prog.tried)
-    compiled = [(p, c) for p, c in compiled if planner.segments_of(p) is not None]
+    compiled = [(p, c) for p, c in compiled if model.segments_of(p) is not None]
     samples = [(p, c.temp_bytes) for p, c in compiled]
     errs, flop_errs = [], []
-    t = planner.raw_table
+    t = model.raw_table
     for i, (plan, real) in enumerate(samples):
-        if planner.calibrate(samples[:i] + samples[i + 1 :]):
-            errs.append(abs(planner.predict(plan) / real - 1))
-        recompute = sum(t.flops[k, a, b] for a, b, k in planner.segments_of(plan))
+        if model.calibrate(samples[:i] + samples[i + 1 :]):
+            errs.append(abs(model.predict(plan) / real - 1))
+        recompute = sum(t.flops[k, a, b] for a, b, k in model.segments_of(plan))
         flop_errs.append(abs((base.flops + recompute) / compiled[i][1].flops - 1))
     if not errs:
         return f"| {name} | calibration | too few compiled plans | - | - |"

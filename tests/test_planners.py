@@ -177,27 +177,26 @@ def _describable_plans(prog: Program, planner) -> list:
         p = planner.plan(frac * planner.no_remat_peak())
         if p is not None:
             plans.append(p)
-    return [p for p in plans if planner.segments_of(p) is not None]
+    return [p for p in plans if planner.model.segments_of(p) is not None]
 
 
 def test_calibration_recovers_a_scaled_and_offset_model(programs):
     """Temps that are an affine image of the raw model (0.6 x bytes + an offset, what XLA's
     fusion and fixed buffers do to it) are predicted back closely after calibration."""
-    import copy
-
     _, prog = programs("decoder")
-    planner = copy.copy(PLANNERS["chain"](prog.graph, max_cuts=48))
+    planner = PLANNERS["chain"](prog.graph, max_cuts=48)
+    model = planner.model
     plans = _describable_plans(prog, planner)
-    raw = {id(p): planner.predict(p) for p in plans}
-    offset = 0.1 * planner.no_remat_peak()
+    raw = {id(p): model.predict(p) for p in plans}
+    offset = 0.1 * model.no_remat_peak()
     samples = [(p, 0.6 * raw[id(p)] + offset) for p in plans]
     assert len({round(t) for _, t in samples}) >= 3
-    assert planner.calibrate(samples)
-    errs = [abs(planner.predict(p) / t - 1) for p, t in samples]
+    assert model.calibrate(samples)
+    errs = [abs(model.predict(p) / t - 1) for p, t in samples]
     raw_errs = [abs(raw[id(p)] / t - 1) for p, t in samples]
     assert max(errs) < 0.06, errs
     assert np.median(errs) < 0.5 * np.median(raw_errs)
-    assert planner.weights["offset_bytes"] > 0
+    assert model.weights["offset_bytes"] > 0
 
 
 def test_calibration_predicts_compiled_temp_within_15_percent(programs):
@@ -206,22 +205,52 @@ def test_calibration_predicts_compiled_temp_within_15_percent(programs):
     import copy
 
     _, prog = programs("decoder")
-    planner = copy.copy(prog.planner("chain", 160))
+    planner = prog.planner("chain", 160)
     samples = [(p, prog.compile(p).temp_bytes) for p in _describable_plans(prog, planner)]
     samples[0] = (samples[0][0], prog.baseline.temp_bytes)  # identity: the baseline
+    model = copy.copy(planner.model)  # calibrated here, not the program's planner
     errs = []
     for i, (plan, real) in enumerate(samples):
-        assert planner.calibrate(samples[:i] + samples[i + 1 :])
-        errs.append(abs(planner.predict(plan) / real - 1))
+        assert model.calibrate(samples[:i] + samples[i + 1 :])
+        errs.append(abs(model.predict(plan) / real - 1))
     assert np.mean(np.array(errs) <= 0.15) >= 0.75, errs
     assert max(errs) <= 0.3, errs
 
 
 def test_calibration_needs_three_distinct_plans(programs):
-    import copy
+    _, prog = programs("mlp_chain")
+    model = PLANNERS["chain"](prog.graph, max_cuts=24).model
+    p = jremat.Plan.identity(prog.graph)
+    assert not model.calibrate([(p, 1000.0), (p, 1000.0), (p, float("nan"))])
+    assert model.table is model.raw_table
+
+
+def test_planners_compose_one_segment_model(programs):
+    """Every planner holds a `SegmentModel` and inherits from no other planner; on the same
+    model settings their min-memory plans are the model's, labelled with the planner."""
+    from jremat._src.plan.planners import SegmentModel
 
     _, prog = programs("mlp_chain")
-    planner = copy.copy(PLANNERS["chain"](prog.graph, max_cuts=24))
-    p = jremat.Plan.identity(prog.graph)
-    assert not planner.calibrate([(p, 1000.0), (p, 1000.0), (p, float("nan"))])
-    assert planner.table is planner.raw_table
+    planners = {name: make(prog.graph, max_cuts=24) for name, make in PLANNERS.items()}
+    reference = planners["chain"].min_memory_plan()
+    for name, planner in planners.items():
+        assert type(planner).__mro__[1:] == (object,)
+        assert isinstance(planner.model, SegmentModel) and planner.name == name
+        assert planner.table is planner.model.table
+        got = planner.min_memory_plan()
+        assert got.solver == name and got.segments == reference.segments
+        assert planner.min_memory_plan() is got  # cached per label
+
+
+def test_copied_model_calibrates_independently(programs):
+    import copy
+
+    _, prog = programs("decoder")
+    planner = PLANNERS["chain"](prog.graph, max_cuts=48)
+    plans = _describable_plans(prog, planner)
+    before = [planner.model.predict(p) for p in plans]
+    model = copy.copy(planner.model)
+    assert model.calibrate([(p, 0.5 * t + 1000.0) for p, t in zip(plans, before, strict=True)])
+    assert [planner.model.predict(p) for p in plans] == before
+    assert planner.model.weights is None and planner.table is planner.model.raw_table
+    assert [model.predict(p) for p in plans] != before

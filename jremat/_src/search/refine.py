@@ -68,11 +68,11 @@ def split_segment(graph: Any, plan: Plan, index: int) -> Plan | None:
 def peak_order(planner: Any, plan: Plan) -> list[int]:
     """Indices of `plan`'s checkpointed segments from the one the (calibrated) cost model puts
     at the peak down; by segment length when the model cannot describe the plan."""
-    segs = planner.segments_of(plan)
+    segs = planner.model.segments_of(plan)
     ckpt = [i for i, s in enumerate(plan.segments) if s.checkpointed]
     if segs is None or len(segs) != len(plan.segments):
         return sorted(ckpt, key=lambda i: plan.segments[i].start - plan.segments[i].end)
-    here = planner.segment_peaks(segs)
+    here = planner.model.segment_peaks(segs)
     return sorted(ckpt, key=lambda i: -here[i] if np.isfinite(here[i]) else np.inf)
 
 

@@ -20,7 +20,6 @@ from jremat._src.base.errors import InfeasibleBudgetError
 from jremat._src.compile.program import Compiled, Program
 from jremat._src.plan.offload import OffloadCost, host_offload_effective, parse_offload
 from jremat._src.plan.plan import Plan, plan_key
-from jremat._src.plan.planners.chain import ChainPlanner
 from jremat._src.search import mixing, refine
 from jremat._src.trace.graph import Graph
 
@@ -184,18 +183,19 @@ def solve(
     # fit the cost model's per-option scales to every program compiled so far
     samples = [(p, c.temp_bytes) for p, c in [*anchors, *prog.tried]]
     log: list[str] = []
-    calibrated = planner.calibrate([*samples, (Plan.identity(prog.graph), base.temp_bytes)])
+    calibrated = planner.model.calibrate([*samples, (Plan.identity(prog.graph), base.temp_bytes)])
     if calibrated:
         model_none = planner.no_remat_peak()
         model_min = planner.min_memory_plan().predicted_temp_bytes
         scales = ", ".join(
             f"{k} {v:,.0f}" if k.endswith("_bytes") else f"{k} {v:.2f}"
-            for k, v in (planner.weights or {}).items()
+            for k, v in (planner.model.weights or {}).items()
         )
         log.append(f"cost model fitted to {len(samples) + 1} compiled programs: scales {scales}")
     # then map compiled bytes to model bytes through every compiled anchor (what is left)
+    predict = planner.model.predict
     points = sorted(
-        {(c.temp_bytes, planner.predict(p)) for p, c in anchors if planner.predict(p) is not None}
+        {(c.temp_bytes, predict(p)) for p, c in anchors if predict(p) is not None}
         | {(base.temp_bytes, model_none)}
     )
     xs = np.array([x for x, _ in points], dtype=float)
@@ -229,9 +229,9 @@ def solve(
             best = (score(candidate, c), candidate, c)
 
     for factor in () if fitting else FLOOR_LADDER:
-        # the DP: no time limit, so the same plans come back in a new call
+        # the model's DP: no time limit, so the same plans come back in a new call
         add_floor(
-            ChainPlanner.plan(planner, model_min * factor),
+            planner.model.cheapest_plan(model_min * factor, planner.name),
             f"floor: model budget {model_min * factor:,.0f}",
         )
     for round_ in range(max_rounds if fitting else min(max_rounds, 2)):
@@ -286,7 +286,7 @@ def solve(
         _raise_infeasible(spec, prog, [*anchors, *floor])
     chosen = prog.record(chosen, c)
     chosen.notes.extend(log)
-    model = planner.predict(chosen)  # None for loop pieces: a mix keeps its interpolation
+    model = predict(chosen)  # None for loop pieces: a mix keeps its interpolation
     if model is None and chosen.solver.endswith("+split"):
         chosen.predicted_temp_bytes = 0
         chosen.notes.append(
@@ -345,7 +345,8 @@ def _raise_model_infeasible(spec: Budget, prog: Program, planner: Any, model_non
     # unrematerialized program as verify=False scales budgets; 1.0 is always reachable
     model_min = planner.min_memory_plan().predicted_temp_bytes
     budgets = [model_min * f for f in (1.0, *FLOOR_LADDER)]
-    reachable = next((b for b in budgets if ChainPlanner.plan(planner, b) is not None), model_none)
+    cheapest = planner.model.cheapest_segments  # the model's DP, as the floor plans use
+    reachable = next((b for b in budgets if cheapest(b) is not None), model_none)
     estimate = math.ceil(min(reachable / max(model_none, 1.0), 1.0) * base.temp_bytes)
     smallest = spec.in_caller_unit(estimate, base.temp_bytes, base.fixed_bytes)
     raise InfeasibleBudgetError(

@@ -7,23 +7,55 @@ and backward schedule; the evictions become the plan. Details: docs/design.md#pl
 
 from __future__ import annotations
 
+from jremat._src.plan.offload import OffloadCost
 from jremat._src.plan.plan import KEEP, SAVE_NAMES, Plan
-from jremat._src.plan.planners.chain import ChainPlanner
+from jremat._src.plan.planners.model import SegmentModel
+from jremat._src.plan.planners.segments import SAVE_OPTIONS, SegmentTable
+from jremat._src.trace.graph import Graph
 
 
-class DTRPlanner(ChainPlanner):
+class DTRPlanner:
     """DTR simulation (docs/design.md#planners); segments are the model's layers. DTR evicts
-    or keeps; it never offloads to host memory, so an `offload` cost is ignored."""
+    or keeps; it never offloads to host memory, so an `offload` cost is ignored (its model,
+    and so its min-memory plan, offloads nothing either).
+
+    Args:
+      graph: a traced program (`jremat.trace`).
+      max_cuts: how many cut candidates the segment model considers.
+      options: the save options (`SAVE_OPTIONS` names) of the model's segments.
+      offload: ignored.
+    """
 
     name = "dtr"
 
-    def __init__(self, graph, max_cuts: int = 160, offload=None, **kw):
+    def __init__(
+        self,
+        graph: Graph,
+        max_cuts: int = 160,
+        options=tuple(SAVE_OPTIONS),
+        offload: OffloadCost | None = None,
+    ):
         del offload  # DTR's decisions are evict/keep; its reference plans offload nothing too
-        super().__init__(graph, max_cuts=max_cuts, **kw)
+        self.model = SegmentModel(graph, max_cuts, options)
+        self.offload = None
+
+    @property
+    def table(self) -> SegmentTable:
+        """The model's (calibrated) segment table."""
+        return self.model.table
+
+    def no_remat_peak(self) -> float:
+        """Modelled peak in bytes without rematerialization."""
+        return self.model.no_remat_peak()
+
+    def min_memory_plan(self) -> Plan:
+        """The model's plan with the smallest modelled peak."""
+        return self.model.min_memory_plan(self.name)
 
     def simulate(self, budget: float) -> tuple[set[int], float, float]:
-        """Run DTR under `budget` bytes; returns (evicted value ids, recompute FLOPs, peak)."""
-        g = self.graph
+        """Run DTR under `budget` bytes; returns (evicted value ids, recompute FLOPs, peak
+        bytes)."""
+        g = self.model.graph
         n = g.num_nodes
         res_users: dict[int, list[int]] = {}
         for node in g.nodes:
@@ -120,24 +152,27 @@ class DTRPlanner(ChainPlanner):
         return ever_evicted, recompute, peak
 
     def plan(self, model_budget: float) -> Plan | None:
+        """The layers' save sets from DTR's evictions under `model_budget` bytes, or None when
+        the simulated peak exceeds it."""
         from jremat._src.trace.layers import layer_segments
 
+        graph = self.model.graph
         evicted, flops, peak = self.simulate(model_budget)
         if peak > model_budget * 1.001:
             return None
-        spans = layer_segments(self.graph)
+        spans = layer_segments(graph)
         policies, saved = [], []
         for s, e in spans:
             res = {
                 v
-                for node in self.graph.nodes[s:e]
+                for node in graph.nodes[s:e]
                 for v in node.residuals
-                if s <= self.graph.values[v].producer < e
+                if s <= graph.values[v].producer < e
             }
             # a layer with an evicted residual saves the rest; one without keeps everything
             policies.append(SAVE_NAMES if res & evicted else KEEP)
             saved.append(sorted(res - evicted) if res & evicted else [])
-        plan = Plan.from_spans(self.graph, spans, policies, self.name, saved)
+        plan = Plan.from_spans(graph, spans, policies, self.name, saved)
         plan.predicted_temp_bytes, plan.recompute_flops = int(peak), flops
         plan.notes.append(f"dtr: {len(evicted)} residuals evicted, simulated peak {peak:,.0f}")
         return plan

@@ -10,12 +10,18 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
+from jremat._src.plan.offload import OffloadCost
 from jremat._src.plan.plan import Plan
-from jremat._src.plan.planners.chain import to_plan
-from jremat._src.plan.planners.greedy import GreedyPlanner
+from jremat._src.plan.planners.model import SegmentModel, Segments
+from jremat._src.plan.planners.segments import SAVE_OPTIONS, SegmentTable
+from jremat._src.trace.graph import Graph
+
+#: A heuristic the MILP starts from: (model, budget in model bytes) -> segments or None.
+Incumbent = Callable[[SegmentModel, float], Segments | None]
 
 
 @contextlib.contextmanager
@@ -32,26 +38,64 @@ def _quiet_stdout():
             os.close(saved)
 
 
-class MILPPlanner(GreedyPlanner):
-    """Checkmate-style exact planner (HiGHS). `time_limit` in seconds; `max_span` bounds how
-    many cut intervals one segment may cover (fewer variables)."""
+class MILPPlanner:
+    """Checkmate-style exact planner (HiGHS), see the module docstring.
+
+    Args:
+      graph: a traced program (`jremat.trace`).
+      max_cuts: how many cut candidates the segment model considers.
+      time_limit: HiGHS's time limit per solve, in seconds.
+      max_span: how many cut intervals one segment may cover (fewer variables).
+      incumbents: heuristics tried after the model's DP; the cheapest of their plans (the
+        DP's on ties) starts the solve, so the MILP's answer is never worse than theirs.
+      options: the save options (`SAVE_OPTIONS` names) a checkpointed segment may take.
+      offload: an `OffloadCost` adds the offload options; None (default): no offload.
+
+    Attributes:
+      last_gap: HiGHS's relative optimality gap of the last solve.
+      last_objective: the last plan's cost (FLOPs, with offload transfers).
+    """
 
     name = "milp"
 
     def __init__(
-        self, graph, max_cuts: int = 32, time_limit: float = 10.0, max_span: int = 24, **kw
+        self,
+        graph: Graph,
+        max_cuts: int = 32,
+        time_limit: float = 10.0,
+        max_span: int = 24,
+        incumbents: Sequence[Incumbent] = (),
+        options=tuple(SAVE_OPTIONS),
+        offload: OffloadCost | None = None,
     ):
-        super().__init__(graph, max_cuts=max_cuts, **kw)
+        self.model = SegmentModel(graph, max_cuts, options, offload)
+        self.offload = offload
         self.time_limit = time_limit
         self.max_span = max_span
+        self.incumbents = tuple(incumbents)
         self.last_gap: float | None = None
         self.last_objective: float | None = None
 
+    @property
+    def table(self) -> SegmentTable:
+        """The model's (calibrated) segment table."""
+        return self.model.table
+
+    def no_remat_peak(self) -> float:
+        """Modelled peak in bytes without rematerialization."""
+        return self.model.no_remat_peak()
+
+    def min_memory_plan(self) -> Plan:
+        """The model's plan with the smallest modelled peak."""
+        return self.model.min_memory_plan(self.name)
+
     def plan(self, model_budget: float) -> Plan | None:
+        """The lowest-cost plan (FLOPs, with offload transfers) whose modelled peak is <=
+        `model_budget` bytes that HiGHS finds within `time_limit`, or None."""
         import highspy
         from scipy.sparse import lil_matrix
 
-        t = self.table
+        t = self.model.table
         m, K = len(t.cuts), len(t.options)
         edges = [
             (k, a, b)
@@ -133,7 +177,7 @@ class MILPPlanner(GreedyPlanner):
             k, b = by_start[a]
             segs.append((a, b, t.options[k]))
             a = b
-        plan = to_plan(self.graph, t, segs, self.name)
+        plan = self.model.to_plan(segs, self.name)
         plan.notes.append(
             f"milp: objective {self.last_objective:.6g} FLOPs, optimality gap "
             f"{self.last_gap:.3g} ({h.modelStatusToString(h.getModelStatus())})"
@@ -141,15 +185,17 @@ class MILPPlanner(GreedyPlanner):
         return plan
 
     def _warm_start(self, edges, model_budget: float) -> np.ndarray | None:
-        """The best heuristic plan (chain DP or greedy) as the MILP's first incumbent, so the
-        MILP's answer is never worse than theirs; HiGHS then tries to improve it."""
-        t = self.table
+        """The best heuristic plan (the model's DP, then `incumbents`) as the MILP's first
+        incumbent, so the MILP's answer is never worse than theirs; HiGHS then tries to
+        improve it."""
+        t = self.model.table
         index = {e: i for i, e in enumerate(edges)}
-        found = self.solve_segments(model_budget)
+        found = self.model.cheapest_segments(model_budget)
         candidates = [found[1]] if found is not None else []
-        greedy = self.choose(model_budget)
-        if greedy is not None:
-            candidates.append(greedy)
+        for heuristic in self.incumbents:
+            segs = heuristic(self.model, model_budget)
+            if segs is not None:
+                candidates.append(segs)
         best, best_cost = None, np.inf
         for segs in candidates:
             x = np.zeros(len(edges) + len(t.cuts))

@@ -1,0 +1,423 @@
+"""The segment model every planner plans on: one graph's cut candidates and segment costs.
+
+A plan is a path of segments over the cut candidates, each kept (no checkpoint) or checkpointed
+with one option of `SAVE_OPTIONS` / `OFFLOAD_OPTIONS` (the `SegmentTable`). Its modelled peak is
+
+    peak = max_i ( sum_{j <= i} stored_j  +  transient_i ),
+
+the stores of every earlier segment plus what segment i's backward holds, in bytes. The model
+answers the questions all planners and the search share: calibration against compiled
+programs (`calibrate`), prediction (`predict`, `segment_peaks`), the plan with the smallest
+peak, the cheapest plan within a budget, and turning a segment choice into a `Plan`.
+
+The two exact solvers are the dynamic programs over cut points of Chen et al., "Training Deep
+Nets with Sublinear Memory Cost" (2016) and Beaumont et al., "Optimal checkpointing for
+heterogeneous chains" (Rotor, 2019), with Rockmate's per-segment save sets (Zhao et al., ICML
+2023). They live here, not in `chain`, because every planner's min-memory plan, the MILP's
+incumbent and `jremat.plan`'s floor plans use them too.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import numpy as np
+
+from jremat._src.plan.offload import OffloadCost
+from jremat._src.plan.plan import KEEP, SAVE_NAMES, Plan, Segment
+from jremat._src.plan.planners.segments import (
+    KEEP_OPTION,
+    OFFLOAD_OPTIONS,
+    SAVE_OPTIONS,
+    SegmentTable,
+    saved_values,
+    segment_table,
+)
+from jremat._src.trace.graph import Graph
+from jremat._src.trace.layers import candidate_cuts
+
+#: A segment choice: `[(cut index a, cut index b, option name)]`, a path from the first cut
+#: to the last.
+Segments = list[tuple[int, int, str]]
+
+GRID = 384  # memory buckets of the budgeted DP
+
+#: Budget inflations tried after the DP (largest first) to undo its per-segment rounding.
+INFLATIONS = (0.04, 0.02, 0.01)
+
+
+def _options(t: SegmentTable, a: int, b: int):
+    """(option name, stored, transient, cost) for segment (a, b) under every option; cost is
+    recompute FLOPs plus offload transfers as FLOP-equivalents (`SegmentTable.cost`)."""
+    for k, name in enumerate(t.options):
+        yield name, t.stored[k, a, b], t.transient[k, a, b], t.cost[k, a, b]
+
+
+def min_memory(t: SegmentTable) -> tuple[float, Segments]:
+    """The segmentation with the smallest modelled peak in bytes (ties: fewest FLOPs). Exact
+    DP."""
+    m = len(t.cuts)
+    best = [(math.inf, math.inf)] * m  # (peak of suffix, flops)
+    choice: list[tuple[int, str] | None] = [None] * m
+    best[m - 1] = (0.0, 0.0)
+    for a in range(m - 2, -1, -1):
+        for b in range(a + 1, m):
+            for mode, stored, trans, fl in _options(t, a, b):
+                peak = max(stored + trans, stored + best[b][0])
+                cand = (peak, fl + best[b][1])
+                if cand < best[a]:
+                    best[a], choice[a] = cand, (b, mode)
+    return best[0][0], _walk(choice, m)
+
+
+def within_budget(
+    t: SegmentTable, budget: float, round_up: bool = True
+) -> tuple[float, Segments] | None:
+    """Lowest cost (recompute FLOPs, plus offload transfers as FLOP-equivalents) with modelled
+    peak <= budget bytes; None when infeasible.
+
+    Suffix DP over (cut, memory left) with the memory axis in GRID buckets (stores rounded up,
+    so a plan it returns is within budget in the model). With `round_up=False` stores are
+    rounded down instead: the DP is then optimistic and its plan must be checked exactly.
+    """
+    m = len(t.cuts)
+    if budget <= 0:
+        return None
+    q = budget / GRID
+    levels = np.arange(GRID + 1) * q  # memory available at each bucket
+    inf = np.inf
+    F = np.full((m, GRID + 1), inf)
+    F[m - 1, :] = 0.0
+    arg_b = np.full((m, GRID + 1), -1, dtype=np.int32)
+    arg_mode = np.zeros((m, GRID + 1), dtype=np.int8)
+    K = len(t.options)
+    cols = np.arange(GRID + 1)
+    for a in range(m - 2, -1, -1):
+        # every segment (a, b) under every option at once: shape (b, option, memory level)
+        bs = np.arange(a + 1, m)
+        stored, trans, fl = (x[:, a, a + 1 :].T for x in (t.stored, t.transient, t.cost))
+        finite = np.isfinite(stored)
+        stored_q = np.where(finite, stored, 0) / q
+        rnd = np.ceil(stored_q - 1e-9) if round_up else np.floor(stored_q + 1e-9)
+        shift = np.where(finite, rnd, GRID + 1)
+        idx = cols[None, None, :] - shift[:, :, None].astype(np.int64)
+        ok = (idx >= 0) & (levels[None, None, :] >= (stored + trans)[:, :, None])
+        rest = F[bs[:, None, None], np.maximum(idx, 0)]
+        cand = np.where(ok, fl[:, :, None] + rest, inf).reshape(len(bs) * K, GRID + 1)
+        first = np.argmin(cand, axis=0)  # ties: the smallest b, then the first option
+        F[a] = cand[first, cols]
+        arg_b[a] = np.where(np.isfinite(F[a]), bs[first // K], -1)
+        arg_mode[a] = first % K
+    if not np.isfinite(F[0, GRID]):
+        return None
+    segs, a, level = [], 0, GRID
+    while a < m - 1:
+        b, k = int(arg_b[a, level]), int(arg_mode[a, level])
+        mode, stored, _, _ = list(_options(t, a, b))[k]
+        segs.append((a, b, mode))
+        level -= int(math.ceil(stored / q - 1e-9) if round_up else math.floor(stored / q + 1e-9))
+        a = b
+    return float(F[0, GRID]), segs
+
+
+def _exact_peak(t: SegmentTable, segs: Segments) -> float:
+    """The modelled peak of `segs` in bytes, without the DP's memory buckets."""
+    running, peak = 0.0, 0.0
+    for a, b, option in segs:
+        k = t.option_index(option)
+        running += t.stored[k, a, b]
+        peak = max(peak, running + t.transient[k, a, b])
+    return peak
+
+
+def _walk(choice, m: int) -> Segments:
+    segs, a = [], 0
+    while a < m - 1:
+        b, mode = choice[a]
+        segs.append((a, b, mode))
+        a = b
+    return segs
+
+
+class SegmentModel:
+    """The segment model of one graph (the table is built once, for plans at many budgets).
+
+    Args:
+      graph: a traced program (`jremat.trace`).
+      max_cuts: how many cut candidates the DPs consider (O(max_cuts^2 x GRID) work).
+      options: the save options (`SAVE_OPTIONS` names) a checkpointed segment may take.
+      offload: an `OffloadCost` adds the `OFFLOAD_OPTIONS` (values offloaded to pinned host
+        memory, charged their transfer time); None (default): no offload.
+
+    Attributes:
+      graph: the graph.
+      offload: the `OffloadCost`, or None.
+      raw_table: the `SegmentTable` in model bytes.
+      table: `raw_table` scaled by `calibrate` (in compiled bytes), else `raw_table` itself.
+      weights: the scales and offset `calibrate` fitted, or None.
+
+    `calibrate` replaces `table` and `weights` (never mutates them), so `copy.copy` of a model
+    is one whose calibration is independent of the original's.
+    """
+
+    def __init__(
+        self,
+        graph: Graph,
+        max_cuts: int = 160,
+        options=tuple(SAVE_OPTIONS),
+        offload: OffloadCost | None = None,
+    ):
+        self.graph = graph
+        self.offload = offload
+        if offload is not None:
+            options = (*options, *[o for o in OFFLOAD_OPTIONS if o not in options])
+        self.raw_table = segment_table(graph, candidate_cuts(graph, max_cuts), options, offload)
+        self.table = self.raw_table
+        self.weights: dict[str, float] | None = None
+        self._min: dict[str, Plan] = {}  # solver label -> min-memory plan, for `table`
+        self._min_segs: Segments | None = None
+
+    @property
+    def cuts(self) -> list[int]:
+        """The cut candidates (node positions)."""
+        return self.raw_table.cuts
+
+    def no_remat_peak(self) -> float:
+        """Modelled peak in bytes of the unrematerialized program (one kept segment)."""
+        m = len(self.table.cuts)
+        return float(self.table.stored[0, 0, m - 1] + self.table.transient[0, 0, m - 1])
+
+    def min_memory_segments(self) -> Segments:
+        """The segmentation with the smallest modelled peak (`min_memory`)."""
+        if self._min_segs is None:
+            self._min_segs = min_memory(self.table)[1]
+        return self._min_segs
+
+    def min_memory_plan(self, solver: str) -> Plan:
+        """The plan with the smallest modelled peak, labelled `solver` (the same object for
+        the same label until `calibrate` changes the table)."""
+        if solver not in self._min:
+            self._min = {**self._min, solver: self.to_plan(self.min_memory_segments(), solver)}
+        return self._min[solver]
+
+    def cheapest_segments(self, model_budget: float) -> tuple[float, Segments] | None:
+        """(cost, segments) of the lowest cost (`SegmentTable.cost`: FLOPs, with offload
+        transfers) whose modelled peak is <= `model_budget` bytes, or None. `within_budget`,
+        corrected for its memory buckets."""
+        t = self.table
+        found = within_budget(t, model_budget)
+        if found is None:
+            return None
+        best_cost, best_segs = found
+        # Stores rounded down make the DP optimistic: when its plan fits exactly it is at
+        # least as good as the safe one, and it reaches plans right at the budget.
+        for deflate in (0.0, 0.01):
+            again = within_budget(t, model_budget * (1 - deflate), round_up=False)
+            if again is None or again[0] >= best_cost:
+                break
+            if _exact_peak(t, again[1]) <= model_budget:
+                return again
+        # Otherwise: the safe DP loses up to one bucket per segment; solving at slightly
+        # inflated budgets and keeping the cheapest result that still fits recovers most of it.
+        for inflate in INFLATIONS:
+            again = within_budget(t, model_budget * (1 + inflate))
+            if again is None or again[0] >= best_cost:
+                continue
+            if _exact_peak(t, again[1]) <= model_budget:
+                best_cost, best_segs = again
+                break
+        return best_cost, best_segs
+
+    def cheapest_plan(self, model_budget: float, solver: str) -> Plan | None:
+        """`cheapest_segments` as a `Plan` labelled `solver`, or None. Deterministic (no time
+        limit): the same budget gives the same plan in a new call."""
+        found = self.cheapest_segments(model_budget)
+        return None if found is None else self.to_plan(found[1], solver)
+
+    def to_plan(self, segs: Segments, solver: str) -> Plan:
+        """Turn a segment choice into a `Plan` with per-segment predictions (bytes, FLOPs).
+
+        Adjacent kept segments are merged (no checkpoint boundary between them).
+        """
+        graph, t = self.graph, self.table
+        out: list[Segment] = []
+        running, peak, flops, host = 0.0, 0.0, 0.0, 0.0
+        for a, b, option in segs:
+            k = t.option_index(option)
+            stored, trans, fl = t.stored[k, a, b], t.transient[k, a, b], t.flops[k, a, b]
+            running += stored
+            peak = max(peak, running + trans)
+            flops += fl
+            start, end = t.cuts[a], t.cuts[b]
+            if option == KEEP_OPTION:
+                if out and out[-1].policy == KEEP:
+                    prev = out[-1]
+                    prev.end = end
+                    prev.stored_bytes += int(stored)
+                    prev.transient_bytes = max(prev.transient_bytes, int(trans))
+                    continue
+                out.append(Segment(start, end, KEEP, [], int(stored), int(trans), 0.0))
+                continue
+            saved = saved_values(graph, start, end, option)
+            seg = Segment(start, end, SAVE_NAMES, saved, int(stored), int(trans), float(fl))
+            if option in OFFLOAD_OPTIONS:
+                seg.saved, seg.offloaded = [], saved
+                host += t.offloaded[k, a, b]
+            out.append(seg)
+        plan = Plan(
+            out,
+            graph.fingerprint,
+            graph.num_nodes,
+            solver=solver,
+            predicted_temp_bytes=int(peak),
+            recompute_flops=flops,
+            offloaded_bytes=int(host),
+        )
+        if host and t.offload is not None:
+            c = t.offload
+            plan.notes.append(
+                f"offload: {int(host):,} bytes to pinned host and back, "
+                f"{c.transfer_seconds(host) * 1e3:.3g} ms at {c.host_bandwidth:.3g} bytes/s, "
+                f"charged as {c.transfer_flops(host):.4g} FLOPs at {c.device_flops:.3g} FLOP/s"
+            )
+        return plan
+
+    def segments_of(self, plan: Plan) -> list[tuple[int, int, int]] | None:
+        """`plan` as `[(cut a, cut b, option index)]` in this model's table: None when a cut
+        is not a candidate, a segment's policy or saved names match no option, or the plan
+        rematerializes scans (loop pieces are not in the segment model)."""
+        if plan.scans:
+            return None
+        t = self.raw_table
+        index = {c: i for i, c in enumerate(t.cuts)}
+        builtin = {
+            "nothing_saveable": "nothing",
+            "dots_saveable": "dots",
+            "dots_with_no_batch_dims_saveable": "dots_no_batch",
+        }
+        out = []
+        for seg in plan.segments:
+            a, b = index.get(seg.start), index.get(seg.end)
+            if a is None or b is None:
+                return None
+            if seg.policy == KEEP:
+                option = KEEP_OPTION
+            elif seg.policy == SAVE_NAMES and seg.offloaded and not seg.saved:
+                option = "offload_dots"
+            elif seg.policy == SAVE_NAMES and not seg.saved:
+                option = "nothing"
+            elif seg.policy == SAVE_NAMES:
+                option = next(
+                    (
+                        o
+                        for o in t.options
+                        if o in SAVE_OPTIONS
+                        and saved_values(self.graph, seg.start, seg.end, o) == list(seg.saved)
+                    ),
+                    None,
+                )
+            else:
+                option = builtin.get(seg.policy)
+            if option not in t.options:
+                return None
+            out.append((a, b, t.option_index(option)))
+        return out
+
+    def predict(self, plan: Plan) -> float | None:
+        """Modelled peak (calibrated bytes, see `calibrate`) of any plan `segments_of`
+        describes; None otherwise."""
+        segs = self.segments_of(plan)
+        return None if segs is None else max([0.0, *self.segment_peaks(segs)])
+
+    def segment_peaks(self, segs: list[tuple[int, int, int]]) -> list[float]:
+        """Modelled bytes live during each segment's backward pass (the stores of it and every
+        earlier segment plus its transient), for `[(a, b, option index)]` from `segments_of`."""
+        t = self.table
+        running, out = 0.0, []
+        for a, b, k in segs:
+            running += t.stored[k, a, b]
+            out.append(running + t.transient[k, a, b])
+        return out
+
+    def calibrate(self, samples: list[tuple[Plan, float]], ridge: float = 0.3) -> bool:
+        """Fit the cost model to compiled programs: one scale per save option on the bytes
+        segments store, one on the transient bytes of a kept segment's backward, one on those
+        of a checkpointed segment's backward (recompute included), and an offset in bytes
+        (what XLA holds whatever the plan: fused temporaries, layout copies, the loss's own
+        buffers).
+
+        The features of a plan are, at its peak segment, the stored bytes of the segments up
+        to it by option, that segment's transient bytes (kept or checkpointed) and a constant.
+        Compiled temp bytes are fitted as their weighted sum by least squares on relative
+        error (scipy `lsq_linear`), with a ridge pulling every scale towards 1 and the offset
+        towards 0; scales are kept in [0.1, 10] and the offset in [0, half the samples'
+        median temp]. The fit runs twice: the second time each plan's peak segment is the one
+        the first fit puts at the peak. The model's table is then the raw table scaled and
+        offset, so later plans are made (and `predict` answers) in compiled bytes.
+
+        Args:
+          samples: (plan, compiled temp bytes) pairs; plans `segments_of` cannot describe
+            are skipped.
+          ridge: weight of the pull towards scales 1 and offset 0.
+
+        Returns:
+          Whether it fitted: False (table unchanged) with fewer than three distinct usable
+          samples (non-finite or non-positive temps are skipped).
+        """
+        from scipy.optimize import lsq_linear
+
+        t = self.raw_table
+        K = len(t.options)
+        keep = t.option_index(KEEP_OPTION)
+        plans, ys = [], []
+        for plan, temp in samples:
+            segs = self.segments_of(plan)
+            if segs is None or not np.isfinite(temp) or temp <= 0:
+                continue
+            plans.append(segs)
+            ys.append(float(temp))
+        if len({tuple(s) for s in plans}) < 3:  # three distinct plans at least
+            return False
+        unit = float(np.median(ys))  # the offset's feature: bytes of a typical sample
+
+        def features(segs) -> np.ndarray:
+            """One row per segment: stores so far by option, its transient (kept /
+            checkpointed), the constant."""
+            stored, rows = np.zeros(K), []
+            for a, b, k in segs:
+                stored[k] += t.stored[k, a, b]
+                trans = [t.transient[k, a, b], 0.0] if k == keep else [0.0, t.transient[k, a, b]]
+                rows.append(np.concatenate([stored, trans, [unit]]))
+            return np.array(rows)
+
+        n = K + 3
+        target = np.append(np.ones(n - 1), 0.0)
+        # the offset is >= 0: added to every transient entry it shifts every modelled peak
+        # alike, and a negative one could turn small transients negative, where the DP and
+        # `predict` would disagree about the peak
+        lo, hi = np.append(np.full(n - 1, 0.1), 0.0), np.append(np.full(n - 1, 10.0), 0.5)
+        w = np.append(np.ones(n - 1), 0.0)
+        per_plan = [features(s) for s in plans]
+        for _ in range(2):  # the peak segment under the current scales, then refit
+            A = np.array([f[np.argmax(f @ w)] for f in per_plan]) / np.array(ys)[:, None]
+            fit = lsq_linear(
+                np.vstack([A, ridge * np.eye(n)]),
+                np.concatenate([np.ones(len(ys)), ridge * target]),
+                bounds=(lo, hi),
+            )
+            w = fit.x
+        offset = float(w[-1] * unit)
+        names = [*t.options, "transient_kept", "transient_checkpointed"]
+        weights = dict(zip(names, map(float, w[:-1]), strict=True))
+        weights["offset_bytes"] = offset
+        self.weights = weights
+        trans_scale = np.full(K, w[K + 1])
+        trans_scale[keep] = w[K]
+        self.table = dataclasses.replace(
+            t,
+            stored=t.stored * w[:K, None, None],
+            transient=t.transient * trans_scale[:, None, None] + offset,
+        )
+        self._min, self._min_segs = {}, None
+        return True
