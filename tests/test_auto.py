@@ -81,9 +81,8 @@ def test_plans_once_per_signature_and_again_for_a_new_shape(monkeypatch):
     wrapped = jremat.auto(_loss, **OPTIONS)
     planned = _count_plans(wrapped, monkeypatch)
     wrapped(W, X)
-    wrapped(
-        jax.tree.map(lambda a: 2 * a, W), X + 1
-    )  # other values, same shapes and dtypes: the plan is reused
+    # other values, same shapes and dtypes: the plan is reused
+    wrapped(jax.tree.map(lambda a: 2 * a, W), X + 1)
     jax.grad(wrapped)(W, X)  # under a transformation too: only shapes count
     assert len(planned) == 1 and len(wrapped.plans) == 1
     wrapped(W, X[:64])  # a new batch size: planned again
