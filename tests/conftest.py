@@ -11,6 +11,12 @@ plans again). The session therefore uses JAX's persistent compilation cache in a
 temporary directory: an identical program compiled twice in one session is compiled once; no
 state survives the session. The figures the tests assert (temp bytes, FLOPs) are read from the
 same executables either way. Set JREMAT_TESTS_NO_COMPILE_CACHE=1 to compile everything afresh.
+
+The session also compiles with `--xla_backend_optimization_level=0` (as `test_notebook.py`
+does): LLVM's optimisation level changes how fast XLA:CPU builds and runs the kernels, not the
+HLO, buffer assignment or FLOP counts the tests assert (the same temp bytes, FLOPs and plans
+either way), and it makes the suite's compiles about twice as fast. Set
+JREMAT_TESTS_FULL_OPT=1 to compile at XLA's default level.
 """
 
 from __future__ import annotations
@@ -23,8 +29,15 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-import jax
-import pytest
+if not os.environ.get("JREMAT_TESTS_FULL_OPT") and "--xla_backend_optimization_level" not in (
+    os.environ.get("XLA_FLAGS", "")
+):  # read when jax's CPU backend starts: before any test module makes an array
+    os.environ["XLA_FLAGS"] = (
+        os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0"
+    ).strip()
+
+import jax  # noqa: E402
+import pytest  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 

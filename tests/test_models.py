@@ -99,4 +99,4 @@ def test_core_import_needs_no_zoo_package():
         "if m in sys.modules]\n"
         "assert not bad, bad"
     )
-    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=600)  # a hang guard

@@ -29,7 +29,7 @@ def test_notebook_executes(tmp_path, monkeypatch):
     nb = nbformat.read(NOTEBOOK, as_version=4)
     client = nbclient.NotebookClient(
         nb,
-        timeout=240,
+        timeout=1800,  # per cell: a guard against a hung kernel, not a speed requirement
         kernel_name="python3",
         resources={"metadata": {"path": str(tmp_path)}},  # the kernel's working folder
     )

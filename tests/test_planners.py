@@ -4,6 +4,8 @@ survive JSON, and unreachable budgets that state the smallest reachable one."""
 
 from __future__ import annotations
 
+import math
+
 import jax
 import models as M  # noqa: E402  (tests/ is on sys.path via conftest)
 import numpy as np
@@ -56,7 +58,7 @@ def test_solver_meets_budget_with_exact_gradients(programs, name, solver):
 @pytest.mark.parametrize("name", ["mlp_chain", "decoder"])
 def test_milp_objective_not_above_heuristics(programs, name):
     _, prog = programs(name)
-    milp = PLANNERS["milp"](prog.graph, max_cuts=24, time_limit=5.0)
+    milp = PLANNERS["milp"](prog.graph, max_cuts=24, time_limit=math.inf)  # optimal, however slow
     chain = PLANNERS["chain"](prog.graph, max_cuts=24)
     greedy = PLANNERS["greedy"](prog.graph, max_cuts=24)
     for frac in (0.35, 0.6, 0.85):
@@ -72,7 +74,8 @@ def test_milp_objective_not_above_heuristics(programs, name):
 @pytest.mark.parametrize("name", ["mlp_chain", "decoder"])
 def test_milp_proves_optimality_and_chain_is_within_5_percent(programs, name):
     _, prog = programs(name)
-    milp = PLANNERS["milp"](prog.graph, max_cuts=24, time_limit=20.0)
+    # no time limit: whether HiGHS proves optimality must not depend on the machine's speed
+    milp = PLANNERS["milp"](prog.graph, max_cuts=24, time_limit=math.inf)
     chain = PLANNERS["chain"](prog.graph, max_cuts=24)
     for frac in (0.3, 0.6, 0.9):
         budget = frac * milp.no_remat_peak()
