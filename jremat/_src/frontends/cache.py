@@ -18,8 +18,8 @@ from typing import Any
 
 from jremat._src.base.args import abstract_args
 from jremat._src.base.budget import Budget, parse_budget
-from jremat._src.frontends.blocks import plan_block
 from jremat._src.plan.plan import Plan
+from jremat._src.search.blocks import plan_block
 from jremat._src.search.solve import check_solver, plan
 from jremat._src.trace.graph import Graph, signature
 
