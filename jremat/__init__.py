@@ -12,8 +12,8 @@ from jremat._src.base.budget import parse_budget
 from jremat._src.base.errors import InfeasibleBudgetError, PlanMismatchError
 from jremat._src.frontends.auto import auto
 from jremat._src.frontends.blocks import disabled
-from jremat._src.plan.offload import OffloadCost
-from jremat._src.plan.plan import Plan, Segment
+from jremat._src.plan.offload import OffloadCost, host_offload_effective
+from jremat._src.plan.plan import Plan, ScanPiece, ScanSetting, Segment
 from jremat._src.plan.rewrite import rematerialize
 from jremat._src.reports.comparison import Comparison, compare
 from jremat._src.reports.explain import ExplainRow, Explanation, explain
@@ -24,7 +24,7 @@ from jremat._src.training.accumulation import accumulate, has_updated, state_byt
 from jremat._src.training.microbatching import microbatch
 from jremat._src.training.training_plan import TrainingPlan, plan_training
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 __all__ = [
     "Comparison",
@@ -36,6 +36,8 @@ __all__ = [
     "OffloadCost",
     "Plan",
     "PlanMismatchError",
+    "ScanPiece",
+    "ScanSetting",
     "Segment",
     "TrainingPlan",
     "accumulate",
@@ -44,6 +46,7 @@ __all__ = [
     "disabled",
     "explain",
     "has_updated",
+    "host_offload_effective",
     "measure",
     "microbatch",
     "parse_budget",

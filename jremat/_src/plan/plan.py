@@ -81,6 +81,11 @@ class ScanPiece:
     policy: str = DEFAULT_SCAN_POLICY
     nest: int = 1
 
+    def __getitem__(self, field: str) -> Any:
+        """`setting["policy"]`: read access in the JSON form's terms (as when entries were
+        dicts)."""
+        return self.to_dict()[field]
+
     def __post_init__(self) -> None:
         _check_piece(type(self).__name__, self.length, self.policy, self.nest)
 
@@ -132,6 +137,11 @@ class ScanSetting:
     policy: str = DEFAULT_SCAN_POLICY
     nest: int = 1
     pieces: tuple[ScanPiece, ...] | None = None
+
+    def __getitem__(self, field: str) -> Any:
+        """`setting["policy"]`: read access in the JSON form's terms (as when entries were
+        dicts)."""
+        return self.to_dict()[field]
 
     def __post_init__(self) -> None:
         where = type(self).__name__
@@ -486,21 +496,29 @@ def _check_segment_fields(i: int, s: Any) -> None:
 
 
 def _validate_scans(scans: Any, num_nodes: int) -> None:
-    """Check `Plan.scans`: keys are equation indices (strings), values `ScanSetting`s (whose
-    fields their constructor checked); raise ValueError naming the entry otherwise."""
+    """Check `Plan.scans`: keys are equation indices, values `ScanSetting`s (whose fields their
+    constructor checked); raise ValueError naming the entry otherwise. An int key and a value
+    in the JSON form (a dict, as plans held before `ScanSetting` existed) are accepted and
+    normalized in place to the string key and the `ScanSetting`."""
     if not isinstance(scans, dict):
         raise ValueError(
             f"Plan.scans must be a dict of equation index -> ScanSetting, got {scans!r}"
         )
-    for key, setting in scans.items():
+    for key, setting in list(scans.items()):
         where = f"Plan.scans[{key!r}]"
-        if not isinstance(key, str) or not key.isdigit() or not 0 <= int(key) < num_nodes:
+        text = str(key) if isinstance(key, (str, int)) and not isinstance(key, bool) else ""
+        if not text.isdigit() or not 0 <= int(text) < num_nodes:
             raise ValueError(f"{where}: keys are equation indices in [0, {num_nodes}) as strings")
+        if isinstance(setting, dict):
+            setting = ScanSetting.from_dict(setting, where)
         if not isinstance(setting, ScanSetting):
             raise ValueError(
-                f"{where} must be a ScanSetting, got {type(setting).__name__} {setting!r} "
-                "(ScanSetting.from_dict reads the JSON form)"
+                f"{where} must be a ScanSetting or its JSON form {SCAN_FORMS}, got "
+                f"{type(setting).__name__} {setting!r}"
             )
+        if text != key:
+            del scans[key]
+        scans[text] = setting
 
 
 def _scans_json(scans: Any) -> Any:

@@ -319,7 +319,8 @@ def rematerialize(
                 raise PlanMismatchError(
                     f"this plan was made for program {plan.fingerprint} ({plan.num_nodes} "
                     f"equations) but the call traces to {graph.fingerprint} ({graph.num_nodes} "
-                    "equations): shapes, dtypes or code (its equations or their wiring) changed. "
+                    "equations): shapes, dtypes or code (its equations or their wiring) changed, "
+                    "or the plan was saved by jremat 0.1, whose fingerprints left out the wiring. "
                     "Make a new plan for these "
                     "arguments (jremat.plan), or use jremat.auto, which re-plans per signature."
                 )
