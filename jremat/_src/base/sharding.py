@@ -15,6 +15,7 @@ import jax
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jremat._src.base import compat as _compat
+from jremat._src.base.args import abstract_args
 
 Spec = tuple[tuple[str, ...], ...]
 
@@ -181,8 +182,6 @@ def shard_args(args: Sequence[Any], in_shardings: Any = None, mesh: Any = None) 
         no mesh or names an axis the mesh lacks, a spec has more entries than its argument has
         dimensions, or the mesh needs more devices than exist.
     """
-    from jremat._src.base.args import abstract_args
-
     check_mesh(mesh)
     check_in_shardings(in_shardings)
     avals = abstract_args(args)

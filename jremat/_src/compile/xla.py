@@ -13,6 +13,7 @@ import jax
 
 from jremat._src.base import compat as _compat
 from jremat._src.base import sharding
+from jremat._src.trace import cost_model
 
 
 def compile_jitted(jitted: Any, args: Sequence[Any]) -> Any:
@@ -169,7 +170,6 @@ def _body_flops(body: Any, cache: dict[int, float]) -> float:
             cache[key] = _compiled_body_flops(body)
         except Exception:  # noqa: BLE001 - e.g. a body with collectives over a shard_map's axes
             # cannot compile on its own: count it with jremat's own FLOP table instead
-            from jremat._src.trace import cost_model
 
             cache[key] = cost_model.jaxpr_flops(_compat.closed(body)[0])
     return cache[key]

@@ -16,8 +16,9 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from jremat._src.base.args import abstract_args
+from jremat._src.base.args import abstract_args, check_count, check_flag
 from jremat._src.base.budget import Budget, parse_budget
+from jremat._src.plan.offload import parse_offload
 from jremat._src.plan.plan import Plan
 from jremat._src.search.blocks import plan_block
 from jremat._src.search.solve import check_solver, plan
@@ -64,9 +65,6 @@ class PlanCache:
         plan_dir: str | os.PathLike | None = None,
         offload: Any = None,
     ):
-        from jremat._src.base.args import check_count, check_flag
-        from jremat._src.plan.offload import parse_offload
-
         self._spec = parse_budget(budget)
         self.offload = parse_offload(offload)
         check_solver(solver, none_ok=True)

@@ -11,6 +11,7 @@ import numbers
 import os
 from typing import Any
 
+from jremat import policies
 from jremat._src.trace.graph import Graph
 
 #: `Segment.policy` value for a segment that is not checkpointed (keeps all its residuals).
@@ -234,8 +235,6 @@ def _check_piece(where: str, length: Any, policy: Any, nest: Any) -> None:
 
 
 def _check_policy_nest(where: str, policy: Any, nest: Any) -> None:
-    from jremat import policies
-
     if not (
         isinstance(policy, str)
         and (policy == KEEP or policy in policies.names() or policy in policies.preset_names())

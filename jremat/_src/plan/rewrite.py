@@ -13,8 +13,10 @@ from typing import Any
 import jax
 from jax.ad_checkpoint import checkpoint_name
 
+from jremat import policies
 from jremat._src.base import compat as _compat
 from jremat._src.base.errors import PlanMismatchError
+from jremat._src.plan.offload import offload_policy
 from jremat._src.plan.plan import KEEP, SAVE_NAMES, Plan, ScanPiece, ScanSetting, Segment
 from jremat._src.trace.graph import Graph, build_graph, is_literal, signature
 
@@ -87,8 +89,6 @@ def remat_scan(
     if policy == KEEP:  # a piece of a split loop left as it was
         return _compat.bind(eqn, invals)
     from jax.extend.core import ClosedJaxpr, jaxpr_as_fun
-
-    from jremat import policies
 
     body = eqn.params["jaxpr"]
     if not hasattr(body, "consts"):
@@ -205,14 +205,11 @@ def segment_policy(seg: Segment) -> Callable[..., Any]:
     `save_only_these_names` of its saved values, or, when it offloads values,
     `save_and_offload_only_these_names` (offloaded ones to pinned host memory)."""
     if seg.policy == SAVE_NAMES and seg.offloaded:
-        from jremat._src.plan.offload import offload_policy
-
         return offload_policy(
             [residual_name(v) for v in seg.saved], [residual_name(v) for v in seg.offloaded]
         )
     if seg.policy == SAVE_NAMES:
         return jax.checkpoint_policies.save_only_these_names(*map(residual_name, seg.saved))
-    from jremat import policies
 
     if seg.policy in policies.names():
         return policies.get(seg.policy)

@@ -28,6 +28,7 @@ from jremat._src.plan.plan import Plan
 from jremat._src.plan.recipes import recipe_plan
 from jremat._src.reports.measure import median_step_seconds
 from jremat._src.reports.pareto import pareto_front
+from jremat._src.reports.plot import plot_comparison
 from jremat._src.reports.units import memory_unit
 from jremat._src.search.solve import SOLVERS, solve
 
@@ -290,8 +291,6 @@ class Comparison:
           ImportError: matplotlib is not installed (`pip install "jremat[plot]"`).
           ValueError: no row was compiled, so there is nothing to plot.
         """
-        from jremat._src.reports.plot import plot_comparison
-
         return plot_comparison(self, path=path, title=title, dpi=dpi)
 
 

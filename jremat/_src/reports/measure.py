@@ -14,7 +14,7 @@ from typing import Any
 import jax
 
 from jremat._src.base import sharding
-from jremat._src.base.args import check_scalar_output, normalize_argnums
+from jremat._src.base.args import check_differentiable, check_scalar_output, normalize_argnums
 from jremat._src.compile.xla import MemoryFigures, compile_step, mesh_size, step_flops
 
 
@@ -81,8 +81,6 @@ def measure(
         arguments, naming an axis its mesh lacks, or naming a mesh larger than the devices
         (docs/design.md#sharding).
     """
-    from jremat._src.base.args import check_differentiable
-
     nums = normalize_argnums(argnums, len(args))
     if not isinstance(runs, int) or isinstance(runs, bool) or runs < 0:
         raise ValueError(f"runs must be a non-negative int, got {runs!r}")

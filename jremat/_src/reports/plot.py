@@ -7,6 +7,7 @@ import math
 from typing import Any
 
 from jremat._src.reports.pareto import pareto_front
+from jremat._src.reports.units import memory_unit
 
 # -- the figure ------------------------------------------------------------------------------
 _KIND_STYLE = {  # kind -> (colour, marker, size, legend label)
@@ -46,7 +47,6 @@ def plot_comparison(comparison: Any, path: Any = None, *, title: str | None = No
         from matplotlib.patches import Patch
     except ImportError as e:  # pragma: no cover - depends on the environment
         raise ImportError('Comparison.plot needs matplotlib: pip install "jremat[plot]"') from e
-    from jremat._src.reports.units import memory_unit
 
     rows = [r for r in comparison.rows if r.ok]
     if not rows:

@@ -13,6 +13,7 @@ from collections.abc import Callable
 from typing import Any
 
 from jremat._src.plan.plan import KEEP, Plan, ScanPiece, ScanSetting
+from jremat._src.trace.layers import layer_segments
 
 #: Per-unit choices mixed, from most memory (no remat) to least.
 UNIT_POLICIES = (
@@ -27,8 +28,6 @@ UNIT_POLICIES = (
 def layer_mix_plan(graph: Any, policies: list[str]) -> Plan:
     """A plan with layer i (of `layers.layer_segments`) under `policies[i]` (a built-in
     policy name or "keep"); glue between layers is kept."""
-    from jremat._src.trace.layers import layer_segments
-
     spans = layer_segments(graph)
     if len(policies) != len(spans):
         raise ValueError(f"{len(policies)} policies for {len(spans)} layers")
@@ -63,8 +62,6 @@ def _label(policies: list[str], kind: str = "layers") -> str:
 
 def _families(prog: Any) -> list[tuple[int, Callable[[list[str]], Plan]]]:
     """(number of units, plan builder from per-unit policies) for each way to mix."""
-    from jremat._src.trace.layers import layer_segments
-
     graph = prog.graph
     lengths = [int(nd.eqn.params["length"]) for nd in graph.nodes if nd.primitive == "scan"]
     if lengths and max(lengths) > 1:

@@ -15,6 +15,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from jremat._src.base.args import check_count, check_flag
 from jremat._src.base.budget import Budget, parse_budget
 from jremat._src.base.errors import InfeasibleBudgetError
 from jremat._src.compile.program import Compiled, Program
@@ -118,8 +119,6 @@ def plan(
       ValueError (sharding): `in_shardings` does not match the arguments, a `PartitionSpec`
         without a mesh, or a mesh needing more devices than exist (docs/design.md#sharding).
     """
-    from jremat._src.base.args import check_count, check_flag
-
     spec = parse_budget(budget)
     offload_cost = parse_offload(offload)
     check_solver(solver)
@@ -356,5 +355,3 @@ def _raise_model_infeasible(spec: Budget, prog: Program, planner: Any, model_non
         smallest_reachable=smallest,
         smallest_reachable_bytes=estimate,
     )
-
-

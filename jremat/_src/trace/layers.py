@@ -9,6 +9,7 @@ import re
 
 import numpy as np
 
+from jremat._src.base.compat import subjaxprs
 from jremat._src.trace.graph import Graph, is_literal
 
 _LAYER_PART = re.compile(r"^(?:\d+|.*_\d+)$")
@@ -98,8 +99,6 @@ def candidate_cuts(graph: Graph, max_cuts: int = 160) -> list[int]:
 
 
 def has_scan(graph: Graph) -> bool:
-    from jremat._src.base.compat import subjaxprs
-
     def walk(eqns) -> bool:
         return any(
             e.primitive.name == "scan" or any(walk(j.eqns) for j in subjaxprs(e)) for e in eqns

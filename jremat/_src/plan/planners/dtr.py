@@ -12,6 +12,7 @@ from jremat._src.plan.plan import KEEP, SAVE_NAMES, Plan
 from jremat._src.plan.planners.model import SegmentModel
 from jremat._src.plan.planners.segments import SAVE_OPTIONS, SegmentTable
 from jremat._src.trace.graph import Graph
+from jremat._src.trace.layers import layer_segments
 
 
 class DTRPlanner:
@@ -154,8 +155,6 @@ class DTRPlanner:
     def plan(self, model_budget: float) -> Plan | None:
         """The layers' save sets from DTR's evictions under `model_budget` bytes, or None when
         the simulated peak exceeds it."""
-        from jremat._src.trace.layers import layer_segments
-
         graph = self.model.graph
         evicted, flops, peak = self.simulate(model_budget)
         if peak > model_budget * 1.001:

@@ -12,6 +12,7 @@ from jremat._src.plan.plan import Plan
 from jremat._src.plan.planners.model import SegmentModel, Segments
 from jremat._src.plan.planners.segments import KEEP_OPTION, SAVE_OPTIONS, SegmentTable
 from jremat._src.trace.graph import Graph
+from jremat._src.trace.layers import layer_segments
 
 #: Options from the least memory to the most; the greedy moves segments up this ladder.
 LADDER = ("nothing", "offload_dots", "dots_no_batch", "expensive", "dots", KEEP_OPTION)
@@ -20,8 +21,6 @@ LADDER = ("nothing", "offload_dots", "dots_no_batch", "expensive", "dots", KEEP_
 def _segments(model: SegmentModel) -> list[tuple[int, int]]:
     """The segmentation the knapsack runs on, as cut-index pairs: the layers when every layer
     boundary is a cut candidate, else the model's min-memory cuts."""
-    from jremat._src.trace.layers import layer_segments
-
     graph = model.graph
     index = {c: i for i, c in enumerate(model.table.cuts)}
     spans = layer_segments(graph)

@@ -14,6 +14,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from jremat._src.plan.offload import OffloadCost
+from jremat._src.trace.cost_model import FUSIBLE
 from jremat._src.trace.graph import Graph
 from jremat._src.trace.layers import crossing_bytes
 
@@ -30,8 +31,6 @@ def _dot_source(graph: Graph, vid: int, depth: int = 1):
     JAX's `dots_saveable` saves the dot's own result; jremat names the value XLA materializes
     (often `dot + bias`), which saves the same work.
     """
-    from jremat._src.trace.cost_model import FUSIBLE
-
     size = int(np.prod(graph.values[vid].shape, dtype=np.int64))
     for _ in range(depth):
         p = graph.values[vid].producer
