@@ -163,3 +163,16 @@ def test_keyword_arguments_at_call_time_are_refused_with_the_functions_name():
     with pytest.raises(TypeError, match="_loss.*keyword"):
         wrapped(W, x=X)
     assert wrapped.plans == {}
+
+
+def test_disabled_runs_a_decorated_function_as_written_and_plans_nothing():
+    """`jremat.disabled()` switches `auto` off on plain functions too: the call is the
+    undecorated function's (same value and gradients) and no plan is made; outside the
+    context the same wrapper plans as usual."""
+    wrapped = jremat.auto(_loss, **OPTIONS)
+    with jremat.disabled():
+        chex.assert_trees_all_close(wrapped(W, X), _loss(W, X))
+        chex.assert_trees_all_close(jax.grad(wrapped)(W, X), jax.grad(_loss)(W, X))
+    assert len(wrapped.plans) == 0
+    wrapped(W, X)
+    assert len(wrapped.plans) == 1

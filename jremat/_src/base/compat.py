@@ -5,6 +5,7 @@ What differs and what was measured: docs/design.md#jax-versions.
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import jax
@@ -121,6 +122,30 @@ def source_summary(eqn: Any) -> str:
         return source_info_util.summarize(eqn.source_info)
     except Exception:  # noqa: BLE001 - source info is best effort across versions
         return ""
+
+
+def source_context(eqn: Any) -> Any:
+    """A context manager that emits equations with `eqn`'s traceback and name stack (appended
+    to the current one); a no-op context where this jax has no such API."""
+    try:
+        from jax._src import source_info_util as siu
+
+        info = eqn.source_info
+        stack = siu.current_name_stack() + info.name_stack
+        return siu.user_context(info.traceback, name_stack=stack)
+    except Exception:  # noqa: BLE001 - source info is best effort across versions
+        return contextlib.nullcontext()
+
+
+def user_frames(eqn: Any) -> list[Any] | None:
+    """The user frames (`file_name`, `start_line`, `function_name`) of `eqn`'s traceback,
+    innermost first, or None where this jax cannot say."""
+    try:
+        from jax._src import source_info_util as siu
+
+        return list(siu.user_frames(eqn.source_info.traceback))
+    except Exception:  # noqa: BLE001 - source info is best effort across versions
+        return None
 
 
 def is_tracer(x: Any) -> bool:

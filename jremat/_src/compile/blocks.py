@@ -5,7 +5,6 @@ The reasoning (what a block's budget bounds, the anchors): docs/design.md#flax-b
 
 from __future__ import annotations
 
-import contextlib
 import copy
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -38,25 +37,11 @@ def eval_jaxpr(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any]) -> list[A
     for var, x in zip(jaxpr.invars, args, strict=True):
         env[var] = x
     for eqn in jaxpr.eqns:
-        with _source_of(eqn):
+        with _compat.source_context(eqn):
             outs = _compat.bind(eqn, [read(v) for v in eqn.invars])
         for var, val in zip(eqn.outvars, outs, strict=True):
             env[var] = val
     return [read(v) for v in jaxpr.outvars]
-
-
-def _source_of(eqn: Any) -> contextlib.AbstractContextManager:
-    """Re-emit `eqn` with its own traceback and name stack (appended to the current one), so
-    the re-evaluated program keeps the user's source lines and layer names (for plan
-    summaries, `jremat.explain`, and the planner's layer detection)."""
-    try:
-        from jax._src import source_info_util as siu
-
-        info = eqn.source_info
-        stack = siu.current_name_stack() + info.name_stack
-        return siu.user_context(info.traceback, name_stack=stack)
-    except Exception:  # noqa: BLE001 - source info is best effort across jax versions
-        return contextlib.nullcontext()
 
 
 def _is_diff(x: Any) -> bool:

@@ -45,6 +45,11 @@ class Compiled:
     #: (offloaded values recomputed instead), see docs/design.md#host-offload. None otherwise.
     offload_temp_bytes: int | None = None
 
+    @property
+    def footprint_bytes(self) -> int:
+        """`fixed_bytes + temp_bytes` (`MemoryFigures.footprint_bytes` of the same compile)."""
+        return self.fixed_bytes + self.temp_bytes
+
 
 class Objective:
     """What a `Program` compiles for a plan, and how it reads the executable's figures.

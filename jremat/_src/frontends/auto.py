@@ -20,6 +20,7 @@ import jax
 from jremat._src.base import compat as _compat
 from jremat._src.base.args import normalize_argnums
 from jremat._src.base.sharding import check_known, shard_args
+from jremat._src.frontends.blocks import is_disabled
 from jremat._src.frontends.cache import PlanCache
 from jremat._src.frontends.options import AutoOptions
 from jremat._src.plan.plan import Plan
@@ -223,6 +224,8 @@ def _auto_function(
                 if "nnx" not in flax_state:
                     flax_state["nnx"] = make_caller(fn, options, cache, self_counted=_is_method(fn))
                 return flax_state["nnx"](*args, **kwargs)
+        if is_disabled():  # jremat.disabled(): the function as written, nothing planned
+            return fn(*args, **kwargs)
         if kwargs or options.static_argnums or options.static_argnames:
             raise TypeError(
                 f"{getattr(fn, '__name__', 'fn')} is planned as a plain loss function of "
@@ -252,7 +255,7 @@ def _auto_function(
 
 
 def _runner(
-    fn: Callable[..., Any], graph: Graph, plan: Plan, options: dict[str, Any]
+    fn: Callable[..., Any], graph: Graph, plan: Plan, options: AutoOptions
 ) -> Callable[..., Any]:
     """`fn` under `plan`, run from `graph` (the program the plan was made for) without tracing
     `fn` again. Through `rematerialize` (which traces each call) when the arguments were given

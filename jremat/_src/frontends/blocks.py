@@ -25,9 +25,10 @@ _DISABLED: contextvars.ContextVar[bool] = contextvars.ContextVar("jremat_disable
 
 @contextlib.contextmanager
 def disabled() -> Iterator[None]:
-    """Within this context, `jremat.auto`-decorated Flax modules run without rematerialization
-    and without planning (their code is traced and evaluated as is). `jremat.explain` uses it
-    to analyse a model as written; use it to measure a model with and without the decorator."""
+    """Within this context, `jremat.auto`-decorated functions and Flax modules run without
+    rematerialization and without planning (their code is traced and evaluated as is).
+    `jremat.explain` uses it to analyse a model as written; use it to measure a model with and
+    without the decorator."""
     token = _DISABLED.set(True)
     try:
         yield

@@ -409,6 +409,10 @@ class _Run:
     compile_seconds: float
     step_seconds: float | None
 
+    @property
+    def footprint_bytes(self) -> int:
+        return self.fixed_bytes + self.temp_bytes
+
 
 def _run(prog: Program, args: tuple, plan: Plan | None, runs: int) -> _Run:
     """Figures of the step under `plan`; execute it once for gradients (and `runs` timed)."""
@@ -497,7 +501,7 @@ def compare(
             NO_REMAT,
             None,
             base.temp_bytes,
-            base.temp_bytes + base.fixed_bytes,
+            base.footprint_bytes,
             base.flops,
             0.0,
             0.0,
@@ -540,7 +544,7 @@ def compare(
                 job.label,
                 None if job.spec is None else job.spec.raw,
                 r.temp_bytes,
-                r.temp_bytes + r.fixed_bytes,
+                r.footprint_bytes,
                 r.flops,
                 extra(r.flops),
                 0.0 if r is base else _max_diff(r.grads, base.grads),

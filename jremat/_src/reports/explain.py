@@ -332,11 +332,8 @@ def _layers(graph: Graph) -> list[tuple[int, int, str]]:
 
 def _user_source(node: Any) -> str:
     """`file:line (function)` of the innermost frame of `node` in the user's code."""
-    try:
-        from jax._src import source_info_util as siu
-
-        frames = list(siu.user_frames(node.eqn.source_info.traceback))
-    except Exception:  # noqa: BLE001 - source info is best effort across jax versions
+    frames = _compat.user_frames(node.eqn)
+    if frames is None:
         return node.source
     for fr in frames:
         if "site-packages" in fr.file_name or fr.file_name.startswith(_JREMAT_DIR):
