@@ -2,7 +2,7 @@
 
     base      arguments, budgets, errors, mesh and sharding checks, JAX version differences
     trace     jaxpr -> Graph: values, equations, FLOPs, residuals, layers, per-device bytes
-    plan      the Plan type, policies, recipes, planners, host offload, the rewrite
+    plan      the Plan type, recipes, planners, host offload, the rewrite
     compile   the one compile-and-measure path: Program (step temp) and BlockProgram (kept bytes)
     search    solve: calibration, rounds, mixes of recipes, refinement
     frontends `auto` with its plan cache, Flax linen and NNX

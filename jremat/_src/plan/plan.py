@@ -124,7 +124,7 @@ class ScanSetting:
       nest: k > 1 makes the loop an outer scan of length/k over checkpointed inner scans of k
         steps (sqrt(L) nesting; ignored where k does not divide the length).
       pieces: None, or the loop split into consecutive scans: the first `pieces[0].length`
-        iterations under `pieces[0].policy`, and so on (see `jremat.mixing`). With pieces,
+        iterations under `pieces[0].policy`, and so on (see docs/design.md#mixes). With pieces,
         `policy` and `nest` stay at their defaults: each piece has its own. A list is stored
         as a tuple.
 
@@ -479,7 +479,7 @@ def _check_segment_fields(i: int, s: Any) -> None:
     """Raise ValueError naming `Plan.segments[i]` and the field when a field has the wrong type."""
     where = f"Plan.segments[{i}]"
     if not isinstance(s, Segment):
-        raise ValueError(f"{where} must be a jremat.plan.Segment, got {type(s).__name__} {s!r}")
+        raise ValueError(f"{where} must be a jremat.Segment, got {type(s).__name__} {s!r}")
     for name in ("start", "end"):
         value = getattr(s, name)
         if not _is_int(value):

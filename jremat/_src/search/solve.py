@@ -100,9 +100,10 @@ def plan(
         `AbstractMesh`), or None (default: the one set by `jax.set_mesh`). It shards nothing
         by itself; given while no `PartitionSpec` refers to it and no argument is sharded, the
         program is planned unsharded and a `RuntimeWarning` says so.
-      graph: `fn` already traced at these arguments (`build_graph(fn, args, argnums)` of the
-        arguments as `in_shardings`/`mesh` shard them), so that it is not traced again (as
-        `jremat.auto` passes it); None (default): traced here.
+      graph: `fn` already traced at these arguments, `jremat.trace(fn, *args, argnums=...)`
+        (of the arguments as `in_shardings`/`mesh` shard them), so that it is not traced again
+        (as `jremat.auto` passes it); None (default): traced here. A graph of another program
+        raises `jremat.PlanMismatchError` when the plan runs.
 
     Returns:
       A `Plan`; `Plan.identity` when the budget is at or above the unrematerialized program.
