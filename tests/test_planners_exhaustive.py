@@ -1,0 +1,388 @@
+"""Planners against an answer known independently: exhaustive enumeration of the segment model.
+
+On small traced programs (few cut candidates) every path over the cuts, times every save option
+per segment, is enumerated from the `SegmentTable`'s raw arrays; each combination's modelled
+peak `max_i (sum_{j<=i} stored_j + transient_i)` and cost `sum_i cost_i` gives, for any budget
+B, the cheapest combination within B and the smallest peak of all. Each planner's `Plan` is
+mapped back to (cut, cut, option) through its own node ranges and saved names and evaluated by
+the same code. Nothing is compiled and `solve` is not used (it would substitute any cheaper
+compiled plan), so a planner that answers wrongly fails here.
+
+What each planner must meet at a budget B (OPT(B): the brute-force optimum, inf if none):
+  chain: peak <= B, cost >= OPT(B), cost <= OPT(B * (1 - (m - 2) / GRID)). `within_budget`
+    rounds each segment's store up to a bucket of B / GRID, so a plan of s segments whose peak
+    is <= B - (s - 1) B / GRID is always within its DP's reach, and s - 1 <= m - 2 with m cuts;
+    `cheapest_segments`' retries only keep plans whose exact peak fits. It returns None only
+    when nothing is within that reach.
+  milp (no time limit, no heuristic incumbents; once with the DP's warm start its constructor
+    always adds, once with the warm start removed so that HiGHS alone must find it): exactly
+    OPT(B) (float rounding), peak <= B, gap 0; None exactly when OPT(B) is inf.
+  greedy: a plan it returns has peak <= B and cost >= OPT(B); it returns one whenever its own
+    floor (every layer checkpointed saving nothing) fits, and with a budget every combination
+    fits it keeps everything (cost 0, the optimum there).
+  dtr: the same, where its plan is in the segment model (a save set of part of a layer's
+    residuals is not); that its plans fit the budget in the model is expected to fail
+    (`DTR_MODEL_BUDGET`, strict).
+  min-memory plans: peak == the brute-force smallest peak.
+Below the smallest peak every planner returns None (none raises); DTR returns a plan.
+
+Observed on these cases (not asserted beyond the bounds above): the chain is exactly optimal
+at every budget but the smallest peak itself, where it returns None (`cheapest_segments` stops
+when the safe DP finds nothing); greedy reaches the optimum at most budgets.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jremat
+from jremat._src.plan.plan import KEEP, SAVE_NAMES, Plan
+from jremat._src.plan.planners import PLANNERS, SegmentModel
+from jremat._src.plan.planners.chain import ChainPlanner
+from jremat._src.plan.planners.dtr import DTRPlanner
+from jremat._src.plan.planners.greedy import GreedyPlanner
+from jremat._src.plan.planners.milp import MILPPlanner
+from jremat._src.plan.planners.model import GRID
+from jremat._src.plan.planners.segments import saved_values
+from jremat._src.trace.layers import layer_spans
+
+#: Largest number of (path, option assignment) combinations a case may enumerate.
+MAX_COMBINATIONS = 400_000
+#: Fractions of the way from the smallest peak to the no-remat peak.
+FRACTIONS = (0.0, 0.05, 0.15, 0.3, 0.5, 0.7, 0.9, 1.0)
+
+
+def _mlp6():
+    """6 named layers x <- x + W2 tanh(W1 x); loss mean(x^2)."""
+    depth, width, hidden, batch = 6, 8, 32, 16
+    keys = jax.random.split(jax.random.PRNGKey(0), 2 * depth + 1)
+    params = [
+        {
+            "w1": jax.random.normal(keys[2 * i], (width, hidden)) * width**-0.5,
+            "w2": jax.random.normal(keys[2 * i + 1], (hidden, width)) * hidden**-0.5,
+        }
+        for i in range(depth)
+    ]
+    x = jax.random.normal(keys[-1], (batch, width))
+
+    def loss(params, x):
+        for i, p in enumerate(params):
+            with jax.named_scope(f"layer_{i}"):
+                x = x + jnp.tanh(x @ p["w1"]) @ p["w2"]
+        return jnp.mean(x**2)
+
+    return loss, (params, x)
+
+
+def _mix5():
+    """5 named layers with different nonlinearities (tanh, relu, gelu, sigmoid, sin)."""
+    acts = (jnp.tanh, jax.nn.relu, jax.nn.gelu, jax.nn.sigmoid, jnp.sin)
+    depth, width, hidden, batch = 5, 8, 24, 16
+    keys = jax.random.split(jax.random.PRNGKey(1), 2 * depth + 1)
+    params = [
+        {
+            "w1": jax.random.normal(keys[2 * i], (width, hidden)) * width**-0.5,
+            "w2": jax.random.normal(keys[2 * i + 1], (hidden, width)) * hidden**-0.5,
+        }
+        for i in range(depth)
+    ]
+    x = jax.random.normal(keys[-1], (batch, width))
+
+    def loss(params, x):
+        for i, p in enumerate(params):
+            with jax.named_scope(f"layer_{i}"):
+                x = x + acts[i](x @ p["w1"]) @ p["w2"]
+        return jnp.mean(x**2)
+
+    return loss, (params, x)
+
+
+#: name -> (program, save options). The MLP's six layers force 9 cut candidates (its layer
+#: boundaries, and the loss), so it takes three save options to stay under the cap; the mix's
+#: 8 cuts allow all four.
+CASES = {
+    "mlp6": (_mlp6, ("nothing", "expensive", "dots")),
+    "mix5": (_mix5, ("nothing", "dots_no_batch", "expensive", "dots")),
+}
+MAX_CUTS = 2  # below the forced cuts: only 0, the end and the layer boundaries remain
+
+
+def combinations(m: int, k: int) -> int:
+    """Paths over m cuts (each interior cut in or out) times k options per segment:
+    sum_s C(m-2, s-1) k^s = k (k+1)^(m-2)."""
+    return k * (k + 1) ** (m - 2)
+
+
+def enumerate_all(stored, transient, cost) -> tuple[np.ndarray, np.ndarray]:
+    """(peak, cost) of every path from cut 0 to cut m-1 under every option per segment, from
+    arrays of shape (options, m, m)."""
+    K, m, _ = stored.shape
+    peaks, costs = [], []
+    for inside in itertools.product((False, True), repeat=m - 2):
+        path = [0, *[i + 1 for i, on in enumerate(inside) if on], m - 1]
+        a, b = np.array(path[:-1]), np.array(path[1:])
+        choice = np.indices((K,) * len(a)).reshape(len(a), -1)  # (segment, combination)
+        st = stored[choice, a[:, None], b[:, None]]
+        tr = transient[choice, a[:, None], b[:, None]]
+        peaks.append((np.cumsum(st, axis=0) + tr).max(axis=0))
+        costs.append(cost[choice, a[:, None], b[:, None]].sum(axis=0))
+    return np.concatenate(peaks), np.concatenate(costs)
+
+
+def evaluate(stored, transient, cost, segs) -> tuple[float, float]:
+    """(peak, cost) of one `[(a, b, option index)]` path."""
+    running, peak, total = 0.0, 0.0, 0.0
+    for a, b, k in segs:
+        running += stored[k, a, b]
+        peak = max(peak, running + transient[k, a, b])
+        total += cost[k, a, b]
+    return peak, total
+
+
+def plan_segments(graph, table, plan: Plan) -> list[tuple[int, int, int]] | None:
+    """`plan` as `[(cut a, cut b, option index)]` of `table`, from its node ranges, policies
+    and saved names (not `SegmentModel.segments_of`); None when a segment has no table entry
+    (a cut that is no candidate, or a save set no option names). Options naming the same save
+    set for a segment must have the same table entries."""
+    assert not plan.scans
+    index = {c: i for i, c in enumerate(table.cuts)}
+    out, pos = [], 0
+    for seg in plan.segments:
+        assert seg.start == pos, plan.segments  # the segments tile the program
+        pos = seg.end
+        a, b = index.get(seg.start), index.get(seg.end)
+        if a is None or b is None:
+            return None
+        if seg.policy == KEEP:
+            ks = [table.option_index("keep")]
+        else:
+            assert seg.policy == SAVE_NAMES and not seg.offloaded, seg
+            ks = [
+                k
+                for k, name in enumerate(table.options)
+                if name != "keep"
+                and saved_values(graph, seg.start, seg.end, name) == list(seg.saved)
+            ]
+            if not ks:
+                return None
+        for arr in (table.stored, table.transient, table.cost):
+            assert len({float(arr[k, a, b]) for k in ks}) == 1, (seg, ks)
+        out.append((a, b, ks[0]))
+    assert pos == graph.num_nodes
+    return out
+
+
+class Reference:
+    """The brute-force answer for one case."""
+
+    def __init__(self, name: str):
+        make, options = CASES[name]
+        self.name, self.options = name, options
+        loss, args = make()
+        self.graph = jremat.trace(loss, *args)
+        self.model = SegmentModel(self.graph, max_cuts=MAX_CUTS, options=options)
+        t = self.table = self.model.table
+        self.m, self.K = len(t.cuts), len(t.options)
+        self.count = combinations(self.m, self.K)
+        assert self.count <= MAX_COMBINATIONS, (name, self.m, self.K, self.count)
+        self.peaks, self.costs = enumerate_all(t.stored, t.transient, t.cost)
+        assert len(self.peaks) == self.count
+        self.smallest_peak = float(self.peaks.min())
+        self.largest_peak = float(self.peaks.max())
+        self.no_remat_peak = float(t.stored[0, 0, -1] + t.transient[0, 0, -1])
+
+    def opt(self, budget: float) -> float:
+        """Lowest cost with modelled peak <= budget (inf when none)."""
+        fits = self.peaks <= budget
+        return float(self.costs[fits].min()) if fits.any() else math.inf
+
+    def budgets(self) -> list[float]:
+        lo, hi = self.smallest_peak, self.no_remat_peak
+        return [lo + f * (hi - lo) for f in FRACTIONS] + [self.largest_peak]
+
+    def evaluate(self, plan: Plan) -> tuple[float, float] | None:
+        segs = plan_segments(self.graph, self.table, plan)
+        if segs is None:
+            return None
+        t = self.table
+        return evaluate(t.stored, t.transient, t.cost, segs)
+
+    def greedy_floor(self) -> float:
+        """Peak of every layer segment checkpointed saving nothing (greedy's first choice)."""
+        spans = layer_spans(self.graph)
+        bounds = sorted({0, self.graph.num_nodes, *[c for s in spans for c in s]})
+        index = {c: i for i, c in enumerate(self.table.cuts)}
+        k = self.table.option_index("nothing")
+        segs = [(index[a], index[b], k) for a, b in itertools.pairwise(bounds)]
+        t = self.table
+        return evaluate(t.stored, t.transient, t.cost, segs)[0]
+
+
+@pytest.fixture(scope="module", params=sorted(CASES))
+def ref(request) -> Reference:
+    return Reference(request.param)
+
+
+def _rel(x: float) -> float:
+    return 1e-9 * max(abs(x), 1.0)
+
+
+def _build(ref: Reference, name: str):
+    options = ref.options
+    if name == "chain":
+        return ChainPlanner(ref.graph, max_cuts=MAX_CUTS, options=options)
+    if name == "greedy":
+        return GreedyPlanner(ref.graph, max_cuts=MAX_CUTS, options=options)
+    if name == "dtr":
+        return DTRPlanner(ref.graph, max_cuts=MAX_CUTS, options=options)
+    milp = MILPPlanner(
+        ref.graph, max_cuts=MAX_CUTS, time_limit=math.inf, incumbents=(), options=options
+    )
+    if name == "milp_cold":
+        milp._warm_start = lambda edges, budget: None  # HiGHS on its own
+    return milp
+
+
+def _recursive(stored, transient, cost, a, m, running=0.0, peak=0.0, total=0.0):
+    """Every (peak, cost) from cut a to cut m-1, one segment at a time (no numpy)."""
+    if a == m - 1:
+        yield peak, total
+        return
+    for b in range(a + 1, m):
+        for k in range(stored.shape[0]):
+            run = running + stored[k, a, b]
+            yield from _recursive(
+                stored, transient, cost, b, m, run, max(peak, run + transient[k, a, b]),
+                total + cost[k, a, b],
+            )  # fmt: skip
+
+
+def test_enumeration_is_the_documented_size(ref):
+    """The counts the cap guards, the enumeration against a plain recursive one on the first
+    six cuts, and the reference on known plans."""
+    assert ref.count == len(ref.costs) <= MAX_COMBINATIONS
+    t, sub = ref.table, slice(0, 6)
+    arrays = [x[:, sub, sub] for x in (t.stored, t.transient, t.cost)]
+    fast = sorted(zip(*map(list, enumerate_all(*arrays)), strict=True))
+    slow = sorted(_recursive(*arrays, 0, 6))
+    assert len(slow) == combinations(6, ref.K) and fast == slow
+    assert ref.smallest_peak < ref.no_remat_peak <= ref.largest_peak
+    assert ref.opt(ref.no_remat_peak) == 0.0  # one kept segment fits its own peak
+    assert ref.opt(ref.smallest_peak * (1 - 1e-9)) == math.inf
+    assert ref.opt(ref.smallest_peak) > 0.0  # the smallest peak needs recompute
+    # the planners' table has the shape this test assumes, and PLANNERS builds these classes
+    assert ref.table.stored.shape == (ref.K, ref.m, ref.m)
+    assert {PLANNERS[n] for n in ("chain", "greedy", "dtr")} == {
+        ChainPlanner,
+        GreedyPlanner,
+        DTRPlanner,
+    }
+
+
+def test_chain_is_optimal_up_to_its_buckets(ref):
+    chain = _build(ref, "chain")
+    slack = (ref.m - 2) / GRID
+    for budget in ref.budgets():
+        plan = chain.plan(budget)
+        reach = ref.opt(budget * (1 - slack))
+        if plan is None:
+            assert reach == math.inf, (budget, reach)
+            continue
+        peak, cost = ref.evaluate(plan)
+        assert peak <= budget, (budget, peak)
+        assert ref.opt(budget) - _rel(cost) <= cost <= reach + _rel(reach), (
+            budget,
+            cost,
+            ref.opt(budget),
+            reach,
+        )
+        assert plan.recompute_flops == pytest.approx(cost, rel=1e-9, abs=1e-6)
+
+
+@pytest.mark.parametrize("variant", ["milp", "milp_cold"])
+def test_milp_reaches_the_exact_optimum(ref, variant):
+    milp = _build(ref, variant)
+    for budget in ref.budgets():
+        want = ref.opt(budget)
+        plan = milp.plan(budget)
+        if want == math.inf:
+            assert plan is None, budget
+            continue
+        assert plan is not None, (budget, want)
+        peak, cost = ref.evaluate(plan)
+        assert peak <= budget, (budget, peak)
+        assert cost == pytest.approx(want, rel=1e-9, abs=1e-6), (budget, cost, want)
+        assert milp.last_objective == pytest.approx(want, rel=1e-9, abs=1e-6)
+        assert milp.last_gap == pytest.approx(0.0, abs=1e-9), plan.notes[-1]
+
+
+def test_greedy_is_feasible_and_never_beats_the_optimum(ref):
+    greedy = _build(ref, "greedy")
+    floor = ref.greedy_floor()
+    for budget in ref.budgets():
+        plan = greedy.plan(budget)
+        if plan is None:
+            assert budget < floor, (budget, floor)
+            continue
+        peak, cost = ref.evaluate(plan)
+        assert peak <= budget, (budget, peak)
+        assert cost >= ref.opt(budget) - _rel(cost), (budget, cost, ref.opt(budget))
+    # every combination fits the largest peak: nothing is worth recomputing
+    assert ref.evaluate(greedy.plan(ref.largest_peak))[1] == 0.0
+
+
+#: DTR decides on its own simulated memory (value bytes, no cotangents or working set, no
+#: calibration), not on the segment model the budget is stated in: its plans can exceed the
+#: budget in the model, and below the model's smallest peak it still returns one.
+DTR_MODEL_BUDGET = pytest.mark.xfail(
+    strict=True,
+    reason="DTRPlanner.plan ignores the segment model: plans over model_budget in it",
+)
+
+
+def test_dtr_never_beats_the_optimum_when_it_fits(ref):
+    """Where DTR's plan is within the budget in the model, it costs at least the optimum; with
+    a budget every combination fits, its plan is within it."""
+    dtr = _build(ref, "dtr")
+    fitting = 0
+    for budget in ref.budgets():
+        plan = dtr.plan(budget)
+        got = None if plan is None else ref.evaluate(plan)
+        if got is None or got[0] > budget:  # over: test_dtr_plans_fit_the_budget
+            continue
+        fitting += 1
+        assert got[1] >= ref.opt(budget) - _rel(got[1]), (budget, got, ref.opt(budget))
+    assert fitting >= 2
+    assert ref.evaluate(dtr.plan(ref.largest_peak))[0] <= ref.largest_peak
+
+
+@DTR_MODEL_BUDGET
+def test_dtr_plans_fit_the_budget(ref):
+    dtr = _build(ref, "dtr")
+    for budget in [ref.smallest_peak * (1 - 1e-6), *ref.budgets()]:
+        plan = dtr.plan(budget)
+        got = None if plan is None else ref.evaluate(plan)
+        if got is not None:  # None: no plan, or a save set no option names
+            assert got[0] <= budget, (budget, got)
+
+
+@pytest.mark.parametrize("name", ["chain", "greedy", "dtr", "milp"])
+def test_min_memory_plan_has_the_smallest_peak(ref, name):
+    plan = _build(ref, name).min_memory_plan()
+    peak, _ = ref.evaluate(plan)
+    assert peak == ref.smallest_peak
+
+
+@pytest.mark.parametrize(
+    "name", ["chain", "greedy", pytest.param("dtr", marks=DTR_MODEL_BUDGET), "milp", "milp_cold"]
+)
+def test_below_the_smallest_peak_nothing_fits(ref, name):
+    """They return None (none raises)."""
+    planner = _build(ref, name)
+    assert planner.plan(ref.smallest_peak * (1 - 1e-6)) is None
