@@ -120,8 +120,9 @@ def test_malformed_scan_configs_are_rejected_by_name(scans, named):
     "scans, named",
     [
         ({"99": ScanSetting()}, r"Plan.scans\['99'\]: keys are equation indices"),
-        ({0: ScanSetting()}, r"Plan.scans\[0\]: keys are equation indices .* as strings"),
-        ({"0": {"policy": "nothing_saveable"}}, r"Plan.scans\['0'\] must be a ScanSetting"),
+        ({"first": ScanSetting()}, r"Plan.scans\['first'\]: keys are equation indices"),
+        ({True: ScanSetting()}, r"Plan.scans\[True\]: keys are equation indices"),
+        ({"0": 3}, r"Plan.scans\['0'\] must be a ScanSetting or its JSON form"),
     ],
 )
 def test_a_plan_whose_scans_are_not_settings_by_equation_does_not_run(scans, named):
@@ -130,3 +131,20 @@ def test_a_plan_whose_scans_are_not_settings_by_equation_does_not_run(scans, nam
     plan.scans = scans
     with pytest.raises(ValueError, match=named):
         jremat.rematerialize(loss, plan)
+
+
+@pytest.mark.parametrize(
+    "scans",
+    [{0: ScanSetting()}, {"0": {"policy": "nothing_saveable", "nest": 1}}],
+    ids=["int-key", "json-form"],
+)
+def test_scans_set_as_before_scan_settings_existed_are_normalized_and_run(scans):
+    """An int key and the JSON (dict) form, as plans held before `ScanSetting`, are read as
+    the string key and the `ScanSetting`; the plan runs with exact gradients."""
+    loss, args = _scan_program(False)
+    plan = jremat.Plan.identity(jremat.trace(loss, *args))
+    plan.scans = scans
+    got = jax.grad(jremat.rematerialize(loss, plan))(*args)
+    assert plan.scans == {"0": ScanSetting("nothing_saveable", 1)}
+    assert plan.scans["0"]["policy"] == "nothing_saveable"  # read access in the JSON's terms
+    M.assert_trees_close(got, jax.grad(loss)(*args), rtol=1e-6)
