@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -58,7 +60,21 @@ def test_explain_function_per_layer_with_compiled_figures():
     assert any("float32[128, 64]" in s for r in e.rows for s in r.saved + r.recomputed)
     assert any("test_explain.py" in r.source for r in e.rows)  # the user's lines
     text = str(e)
-    assert "budget=0.6" in text and "layer_0" in text and "MiB under the plan" in text
+    p = e.plan
+    mib = lambda x: f"{x / 2**20:.2f} MiB"  # noqa: E731
+    # the report's head: the budget asked, no remat's and the plan's compiled figures
+    assert "budget=0.6" in text and f"budget 0.6 = at most {mib(p.budget_temp_bytes)}" in text
+    assert f"without remat:   temp {mib(e.baseline_temp_bytes)}" in text
+    assert f"under this plan: temp {mib(e.planned_temp_bytes)}" in text
+    assert f"footprint {mib(p.measured_footprint_bytes)}" in text
+    assert f"({100 * (p.measured_flops / p.baseline_flops - 1):+.1f}% FLOPs)" in text
+    assert "activ = bytes" in text and "layer_0" in text  # the columns are explained
+    # short sources in the user's file, the start column before the end column
+    for r in e.rows:
+        assert r.source.startswith("tests/test_explain.py:") or not r.source, r.source
+        for a, b in re.findall(r":\d+:(\d+)-(\d+) ", r.source):
+            assert int(a) < int(b)
+    assert "<pre>" in e._repr_html_()
     assert e.to_dicts()[0]["activation_bytes"] == e.rows[0].activation_bytes
 
 
@@ -84,6 +100,9 @@ def test_explain_linen_model_as_written():
     assert {"Model/Block_0", "Model/Block_1", "Model/Block_2"} <= {r.layer for r in e.rows}
     assert any(r.layer == "(output reduction)" for r in e.rows)  # <out, t> of a vector output
     assert Dec.plan_cache.solves == 0  # the decorators were off while explaining
+    # sources are the user's lines (this file), never flax's own modules
+    block_rows = [r for r in e.rows if r.layer.startswith("Model/Block_")]
+    assert block_rows and all(r.source.startswith("tests/test_explain.py:") for r in block_rows)
     assert sum(e.graph.diff_invars) == len(jax.tree_util.tree_leaves(v["params"]))
 
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
+import re
 
 import jax
 import jax.numpy as jnp
@@ -385,34 +387,54 @@ def test_scan_records_check_their_fields_when_built():
 
 
 # -- summary -----------------------------------------------------------------------------------
-def test_summary_mentions_each_segment(cache):
+def test_summary_reads_as_a_report(cache):
     m = cache.model("decoder")
     g = jremat.trace(m.loss, *m.args)
     p = cache.plan("decoder", 0.5)
+    mib = lambda x: f"{x / 2**20:.2f} MiB"  # noqa: E731
     for text in (p.summary(g), p.summary()):
         lines = text.splitlines()
-        assert f"{len(p.segments)} segments" in lines[0]
-        assert f"{sum(s.checkpointed for s in p.segments)} checkpointed" in lines[0]
-        assert "compiled temp" in lines[0]
-        rows = [ln for ln in lines[2:] if not ln.strip().startswith("saves:")]
+        # what was asked, the baseline and the compiled result, with the plan's own figures
+        assert lines[0].startswith(f"jremat plan ({p.solver}): budget 0.5 = at most ")
+        assert mib(p.budget_temp_bytes) in lines[0]
+        assert lines[1] == (
+            f"  without remat:   temp {mib(p.baseline_temp_bytes)}, "
+            f"{p.baseline_flops / 1e9:.4g} GFLOP (compiled)"
+        )
+        extra = 100 * (p.measured_flops / p.baseline_flops - 1)
+        assert lines[2].startswith(f"  under this plan: temp {mib(p.measured_temp_bytes)} (")
+        assert f"footprint {mib(p.measured_footprint_bytes)}" in lines[2]
+        assert f"({extra:+.1f}% FLOPs)" in lines[2]
+        assert p.measured_footprint_bytes > p.measured_temp_bytes
+        assert f"{len(p.segments)} segments, {sum(s.checkpointed for s in p.segments)} " in text
+        assert "Columns: policy = keep (not checkpointed" in text  # the columns are explained
+        start = next(i for i, ln in enumerate(lines) if ln.startswith("seg "))
+        rows = [ln for ln in lines[start + 1 :] if ln.split()[0].isdigit()]
         assert len(rows) == len(p.segments)
-        for i, (row, s) in enumerate(zip(rows, p.segments, strict=True)):
+        kept = []
+        for row in rows:  # one row per segment, largest kept bytes first
             fields = row.split()
-            assert fields[:3] == [str(i), f"{s.start}-{s.end - 1}", s.policy]
-    # each row names the layer its segment starts in and its source lines
-    rows = [ln for ln in p.summary(g).splitlines()[2:] if not ln.strip().startswith("saves:")]
-    for row, s in zip(rows, p.segments, strict=True):
+            s = p.segments[int(fields[0])]
+            assert fields[1:3] == [f"{s.start}-{s.end - 1}", s.policy]
+            assert fields[4] == f"{s.stored_bytes / 2**20:.2f}"
+            kept.append(s.stored_bytes)
+        assert kept == sorted(kept, reverse=True)
+    # each row names the layer its segment starts in and its source lines, short and in order
+    for s in p.segments:
         stack = g.nodes[s.start].name_stack
-        assert s.source and row.endswith(s.source)
-        assert (f"[{stack}]" in row) if stack else ("[" not in row.split()[-1])
-        assert g.nodes[s.start].source in row and g.nodes[s.end - 1].source in row
-    assert "[layer_" in "".join(rows)  # segments name the layer they start in
+        assert (f"[{stack}]" in s.source) if stack else "[" not in s.source
+        assert "test_plan.py:" in s.source or "models.py:" in s.source
+        assert not os.path.isabs(s.source.split("] ")[-1])  # relative to the working folder
+        cols = re.findall(r":\d+:(\d+)-(\d+) ", s.source)
+        assert all(int(a) < int(b) for a, b in cols)  # start column before end column
+    assert "[layer_" in p.summary()  # segments name the layer they start in
     # with the graph, the saved values' shapes
     hp = names_plan(g)
     hs = hp.summary(g)
     assert hs.count("saves: ") == sum(bool(s.saved) for s in hp.segments) == 5
     v = g.values[hp.segments[1].saved[0]]
     assert f"{v.dtype}{list(v.shape)}" in hs
+    assert "<table>" in p._repr_html_() and mib(p.measured_temp_bytes) in p._repr_html_()
 
 
 # -- recipe plans -------------------------------------------------------------------------------

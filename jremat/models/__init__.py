@@ -24,9 +24,10 @@ from __future__ import annotations
 import dataclasses
 import importlib
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import jax
+if TYPE_CHECKING:
+    import jax
 
 
 @dataclasses.dataclass
@@ -109,12 +110,16 @@ def init_key(seed: int = 0) -> jax.Array:
     jax 0.10 (9 s against 2 s for five conv kernels, measured), which dominated building a
     model. The weights are random either way; memory and FLOPs depend only on shapes.
     """
+    import jax  # here, not at the top: `jremat --help` lists the models without jax
+
     return jax.random.key(seed, impl="rbg")
 
 
 def init_hf(model: Any) -> Any:
     """Random parameters of a transformers Flax model built with `_do_init=False`, initialised
     in one jitted call from `init_key()` (transformers would initialise eagerly, op by op)."""
+    import jax
+
     return jax.jit(model.init_weights, static_argnums=1)(init_key(0), model.input_shape)
 
 

@@ -193,6 +193,8 @@ class Program:
         plan.measured_temp_bytes = c.temp_bytes
         plan.measured_flops = c.flops
         plan.baseline_temp_bytes = self.baseline.temp_bytes
+        plan.measured_footprint_bytes = c.footprint_bytes
+        plan.baseline_flops = self.baseline.flops
         if c.offload_temp_bytes is not None:
             plan.notes.append(
                 f"host offload has no memory effect on backend {jax.default_backend()!r}: "

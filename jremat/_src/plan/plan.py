@@ -13,6 +13,7 @@ from typing import Any
 
 from jremat import policies
 from jremat._src.trace.graph import Graph
+from jremat._src.trace.sources import source_span
 
 #: `Segment.policy` value for a segment that is not checkpointed (keeps all its residuals).
 KEEP = "keep"
@@ -267,6 +268,9 @@ class Plan:
       measured_temp_bytes: compiled temp bytes when the plan was verified, else None.
       measured_flops: compiled FLOPs of `value_and_grad` when verified, else None.
       baseline_temp_bytes: compiled temp bytes of the unrematerialized program, when known.
+      measured_footprint_bytes: compiled argument + output - alias + temp bytes when verified
+        (None in plans saved before the field existed).
+      baseline_flops: compiled FLOPs of the unrematerialized `value_and_grad`, when known.
       notes: free-form lines (rounds of verification, calibration).
       scans: per scan equation (its node index, as a string), how its loop is rematerialized:
         a `ScanSetting`, either one body policy for every iteration (with sqrt(L) nesting
@@ -290,6 +294,8 @@ class Plan:
     notes: list[str] = dataclasses.field(default_factory=list)
     scans: dict[str, ScanSetting] = dataclasses.field(default_factory=dict)
     offloaded_bytes: int = 0
+    measured_footprint_bytes: int | None = None
+    baseline_flops: float | None = None
 
     @property
     def is_identity(self) -> bool:
@@ -362,9 +368,7 @@ class Plan:
         """Record each segment's layer name and source lines from `graph`; returns self."""
         for s in self.segments:
             if s.end <= graph.num_nodes:
-                first, last = graph.nodes[s.start], graph.nodes[s.end - 1]
-                scope = f"[{first.name_stack}] " if first.name_stack else ""
-                s.source = f"{scope}{first.source} .. {last.source}"
+                s.source = _segment_source(graph, s)
         return self
 
     # -- JSON ---------------------------------------------------------------------------
@@ -424,51 +428,176 @@ class Plan:
 
     # -- reporting ------------------------------------------------------------------------
     def summary(self, graph: Graph | None = None) -> str:
-        """A per-segment table: equations, policy, saved values, bytes, recompute FLOPs, source.
+        """The plan as a report: what was asked and what the compiled program holds, then one
+        row per segment, largest kept bytes first.
 
-        With the `graph` the plan was made for, saved values' shapes are listed too.
+        Head: the budget asked for (and its temp bytes), the unrematerialized program's compiled
+        temp bytes and FLOPs, this plan's compiled temp, footprint and FLOPs (extra FLOPs in
+        percent), the cost model's prediction, and one line saying what the columns mean.
+        Rows: segment index, equations, policy, how many values it saves, bytes it keeps from
+        the forward to the backward pass, bytes live in its backward pass, FLOPs recomputed,
+        layer and source lines (`file.py:12:16-32 (fn)`, relative to the working folder).
+        Figures the plan does not have (a plan not compiled, per-segment bytes of a built-in
+        policy's plan) print as "-". With the `graph` the plan was made for, the saved and
+        offloaded values' shapes follow their row.
         """
-        mib = 2.0**20
-        lines = [
-            f"jremat plan ({self.solver}): {len(self.segments)} segments, "
-            f"{sum(s.checkpointed for s in self.segments)} checkpointed, "
-            f"predicted temp {self.predicted_temp_bytes / mib:.2f} MiB"
-            + (
-                f", compiled temp {self.measured_temp_bytes / mib:.2f} MiB"
-                if self.measured_temp_bytes is not None
-                else ""
+        head, cols, rows = self._report(graph)
+        widths = [max(len(c), *(len(r[0][i]) for r in rows)) for i, c in enumerate(cols[:-1])]
+
+        def line(cells: list[str]) -> str:
+            left = f"{cells[0]:>{widths[0]}} {cells[1]:>{widths[1]}} {cells[2]:<{widths[2]}}"
+            right = " ".join(f"{c:>{w}}" for c, w in zip(cells[3:-1], widths[3:], strict=True))
+            return f"{left} {right}  {cells[-1]}".rstrip()
+
+        lines = head + [line(cols)]
+        for cells, details in rows:
+            lines.append(line(cells))
+            lines += [f"{'':>{widths[0]}} {d}" for d in details]
+        return "\n".join(lines)
+
+    def _repr_html_(self) -> str:
+        """`summary` as HTML (Jupyter shows it when a cell returns the plan)."""
+        import html
+
+        head, cols, rows = self._report(None)
+        out = ["<div><pre style='margin:0'>" + html.escape("\n".join(head)) + "</pre><table>"]
+        out.append("<tr>" + "".join(f"<th>{html.escape(c)}</th>" for c in cols) + "</tr>")
+        for cells, details in rows:
+            tds = "".join(
+                f"<td style='text-align:{'left' if i in (2, len(cells) - 1) else 'right'}'>"
+                f"{html.escape(c)}</td>"
+                for i, c in enumerate(cells)
             )
-            + f", recompute {self.recompute_flops / 1e9:.4g} GFLOP"
-            + (
-                f", offloads {self.offloaded_bytes / mib:.2f} MiB to host"
-                if self.offloaded_bytes
-                else ""
-            ),
-            f"{'seg':>4} {'eqns':>11} {'policy':>16} {'saved':>6} {'stored MiB':>11} "
-            f"{'transient MiB':>14} {'recompute GFLOP':>16}  source",
+            out.append(f"<tr>{tds}</tr>")
+            for d in details:
+                out.append(f"<tr><td></td><td colspan='{len(cols) - 1}'>{html.escape(d)}</td></tr>")
+        out.append("</table></div>")
+        return "".join(out)
+
+    def figures(self) -> list[str]:
+        """Lines stating the budget asked for, the unrematerialized program's compiled temp
+        bytes and FLOPs, this plan's compiled temp, footprint and FLOPs, and the cost model's
+        prediction (the head of `summary` and of `jremat.explain`'s table)."""
+        mib = 2.0**20
+
+        def mb(x: float | None) -> str:
+            return "-" if x is None else f"{x / mib:.2f} MiB"
+
+        def gf(x: float | None) -> str:
+            return "-" if x is None else f"{x / 1e9:.4g} GFLOP"
+
+        block = any(n.startswith("block plan:") for n in self.notes)
+        temp = "kept bytes" if block else "temp"
+        asked = f"budget {self.budget!r}" if self.budget is not None else "no budget recorded"
+        if self.budget_temp_bytes is not None:
+            asked += f" = at most {mb(self.budget_temp_bytes)} of compiled {temp}"
+        lines = [f"jremat plan ({self.solver}): {asked}"]
+        if block:
+            lines.append(
+                "  a Flax block's plan: its figures are the bytes the block keeps from its "
+                "forward to its backward pass (docs/design.md#flax-blocks)"
+            )
+        if self.baseline_temp_bytes is not None:
+            base = f"  without remat:   {temp} {mb(self.baseline_temp_bytes)}"
+            if self.baseline_flops:
+                base += f", {gf(self.baseline_flops)}"
+            lines.append(base + " (compiled)")
+        if self.measured_temp_bytes is not None:
+            got = f"  under this plan: {temp} {mb(self.measured_temp_bytes)}"
+            if self.baseline_temp_bytes:
+                got += f" ({self.measured_temp_bytes / self.baseline_temp_bytes:.0%} of that)"
+            if self.measured_footprint_bytes is not None:
+                got += f", footprint {mb(self.measured_footprint_bytes)}"
+            if self.measured_flops is not None:
+                got += f", {gf(self.measured_flops)}"
+                if self.baseline_flops:
+                    got += f" ({100 * (self.measured_flops / self.baseline_flops - 1):+.1f}% FLOPs)"
+            lines.append(got + " (compiled)")
+        else:
+            lines.append("  under this plan: not compiled (verify=False)")
+        model = f"  cost model:      predicted {temp} {mb(self.predicted_temp_bytes or None)}"
+        if self.recompute_flops or any(s.stored_bytes for s in self.segments):
+            model += f", {gf(self.recompute_flops)} recomputed"
+        if self.offloaded_bytes:
+            model += f", {mb(self.offloaded_bytes)} offloaded to host"
+        lines.append(model)
+        return lines
+
+    def _report(
+        self, graph: Graph | None
+    ) -> tuple[list[str], list[str], list[tuple[list[str], list[str]]]]:
+        """(head lines, column names, rows as (cells, detail lines)) of `summary`."""
+        mib = 2.0**20
+        head = self.figures()
+        known = any(s.stored_bytes or s.transient_bytes for s in self.segments)
+        # a Flax block planned as one segment under a built-in policy: the block's compiled
+        # kept bytes are that segment's
+        block = any(n.startswith("block plan:") for n in self.notes)
+        whole = len(self.segments) == 1 and block and self.measured_temp_bytes is not None
+        order = sorted(
+            range(len(self.segments)),
+            key=lambda i: (-self.segments[i].stored_bytes, i) if known else (i,),
+        )
+        n_seg, n_ckpt = len(self.segments), sum(s.checkpointed for s in self.segments)
+        head += [
+            f"{n_seg} segment{'s' * (n_seg != 1)}, {n_ckpt} checkpointed"
+            + (", largest kept first." if known else "; per-segment bytes not modelled (-).")
+            + " Columns: policy = keep (not checkpointed:",
+            "  all its residuals kept), names (checkpointed: keeps its 'saves' values, recomputes "
+            "the rest) or a",
+            "  jax.checkpoint_policies name; kept MiB = held from the forward to the backward "
+            "pass; bwd MiB = live",
+            "  while its backward runs; recompute GFLOP = forward work its backward redoes.",
         ]
         for index, setting in self.scans.items():
-            lines.append(f"{'':>4} scan at equation {index}: {setting.describe()}")
-        for i, s in enumerate(self.segments):
-            src = s.source
-            lines.append(
-                f"{i:>4} {f'{s.start}-{s.end - 1}':>11} "
-                f"{s.policy + ('+offload' if s.offloaded else ''):>16} {len(s.saved):>6} "
-                f"{s.stored_bytes / mib:>11.2f} {s.transient_bytes / mib:>14.2f} "
-                f"{s.recompute_flops / 1e9:>16.4g}  {src}"
-            )
+            head.append(f"scan at equation {index}: {setting.describe()}")
+        cols = [
+            "seg",
+            "eqns",
+            "policy",
+            "saves",
+            "kept MiB",
+            "bwd MiB",
+            "recompute GFLOP",
+            "layer / source",
+        ]
+        rows = []
+        for i in order:
+            s = self.segments[i]
+            src = _segment_source(graph, s) if graph is not None else s.source
+            cells = [
+                str(i),
+                f"{s.start}-{s.end - 1}",
+                s.policy + ("+offload" if s.offloaded else ""),
+                str(len(s.saved)) if s.policy == SAVE_NAMES else "-",
+                f"{s.stored_bytes / mib:.2f}"
+                if known
+                else (f"{self.measured_temp_bytes / mib:.2f}" if whole else "-"),
+                f"{s.transient_bytes / mib:.2f}" if known else "-",
+                f"{s.recompute_flops / 1e9:.4g}" if known or not s.checkpointed else "-",
+                src,
+            ]
+            details = []
             if graph is not None and s.saved:
-                shown = ", ".join(
-                    f"{graph.values[v].dtype}{list(graph.values[v].shape)}" for v in s.saved[:6]
-                )
-                lines.append(f"{'':>4} saves: {shown}{' ...' if len(s.saved) > 6 else ''}")
+                details.append("saves: " + _shapes(graph, s.saved))
             if graph is not None and s.offloaded:
-                shown = ", ".join(
-                    f"{graph.values[v].dtype}{list(graph.values[v].shape)}" for v in s.offloaded[:6]
-                )
-                more = " ..." if len(s.offloaded) > 6 else ""
-                lines.append(f"{'':>4} offloads to host: {shown}{more}")
-        return "\n".join(lines)
+                details.append("offloads to host: " + _shapes(graph, s.offloaded))
+            rows.append((cells, details))
+        return head, cols, rows
+
+
+def _segment_source(graph: Graph, s: Segment) -> str:
+    """The layer a segment starts in and its user source lines, from the graph."""
+    if s.end > graph.num_nodes:
+        return s.source
+    first = graph.nodes[s.start]
+    scope = f"[{first.name_stack}] " if first.name_stack else ""
+    return scope + source_span(n.eqn for n in graph.nodes[s.start : s.end])
+
+
+def _shapes(graph: Graph, ids: list[int], limit: int = 6) -> str:
+    shown = ", ".join(f"{graph.values[v].dtype}{list(graph.values[v].shape)}" for v in ids[:limit])
+    return shown + (" ..." if len(ids) > limit else "")
 
 
 def _is_int(x: Any) -> bool:

@@ -12,6 +12,8 @@ import dataclasses
 import html
 import io
 import json
+import logging
+import math
 import os
 import time
 from collections.abc import Callable, Sequence
@@ -25,12 +27,13 @@ from jremat._src.base.budget import Budget, parse_budget
 from jremat._src.base.errors import InfeasibleBudgetError
 from jremat._src.compile.program import Program
 from jremat._src.plan.plan import Plan
-from jremat._src.plan.recipes import recipe_plan
+from jremat._src.plan.recipes import ANCHOR_RECIPES, recipe_plan
 from jremat._src.reports.measure import median_step_seconds
 from jremat._src.reports.pareto import pareto_front
 from jremat._src.reports.plot import plot_comparison
 from jremat._src.reports.units import memory_unit
 from jremat._src.search.solve import SOLVERS, solve
+from jremat._src.trace.layers import layer_segments
 
 #: JAX built-in policies applied per layer (the layers found from the jaxpr's name stack).
 BUILTIN_PER_LAYER = ("nothing_saveable", "dots_saveable", "dots_with_no_batch_dims_saveable")
@@ -40,6 +43,20 @@ NO_REMAT = "no remat"
 SQRT_N = "sqrt(n) segments"
 #: Label of the planner rows ("jremat auto (<solver>)" for a solver other than "auto").
 AUTO = "jremat auto"
+#: The planner budgets `compare` runs when none are given (fractions of no remat's temp),
+#: unless the program cannot reach the smallest (see `default_budgets`).
+DEFAULT_BUDGETS = (0.25, 0.5, 0.75)
+#: One line per column of the tables `Comparison` prints (`to_markdown`, the HTML view).
+LEGEND = (
+    "temp: XLA's temp bytes of the compiled training step (activations and what the backward "
+    "pass holds); footprint: arguments + outputs - aliased + temp; extra FLOPs: compiled FLOPs "
+    "over no remat's; max grad diff: largest difference from no remat's gradients; budget: "
+    "the planner's budget (a fraction of no remat's temp, or footprint bytes); compile s / "
+    "plan s: wall seconds to compile the row's step / to plan it; Pareto: yes when no other "
+    "row has both less temp and fewer extra FLOPs."
+)
+
+logger = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass
@@ -199,15 +216,18 @@ class Comparison:
             base = max((r.temp_bytes for r in rows if r.ok), default=0)
         return cls(rows, description, int(base))
 
-    def to_markdown(self) -> str:
+    def to_markdown(self, legend: bool = True) -> str:
         """A Markdown table: policy, budget, temp and footprint (MiB, or KiB/GiB by size),
         extra FLOPs %, max gradient difference, seconds, and whether the row is on the Pareto
-        frontier; notes for infeasible rows follow the table."""
+        frontier; notes for infeasible rows follow the table, then (with `legend`) a paragraph
+        saying what each column means (`LEGEND`)."""
         head, body, notes = self._table()
         lines = ["| " + " | ".join(head) + " |"]
         lines.append("|" + "|".join("---" if i < 2 else "---:" for i in range(len(head))) + "|")
         lines += ["| " + " | ".join(cells) + " |" for cells, _ in body]
         lines += [""] + [f"- {n}" for n in notes] if notes else []
+        if legend:
+            lines += ["", LEGEND]
         return "\n".join(lines)
 
     def _repr_html_(self) -> str:
@@ -230,8 +250,7 @@ class Comparison:
         if notes:
             out.append("<ul>" + "".join(f"<li>{html.escape(n)}</li>" for n in notes) + "</ul>")
         out.append(
-            "<p><small>Bold: on the Pareto frontier (no other row has both less temp "
-            "memory and fewer extra FLOPs).</small></p>"
+            "<p><small>Bold: on the Pareto frontier. " + html.escape(LEGEND) + "</small></p>"
         )
         return "".join(out)
 
@@ -426,7 +445,7 @@ def compare(
     fn: Callable[..., Any],
     *args: Any,
     policies: str | Sequence[Any] | None = None,
-    budgets: Sequence[Any] = (0.25, 0.5, 0.75),
+    budgets: Sequence[Any] | None = None,
     argnums: int | Sequence[int] = 0,
     runs: int = 0,
     solvers: Sequence[str] = ("auto",),
@@ -449,7 +468,10 @@ def compare(
         `jremat.policies.preset_names()` (each with its own segmentation), or
         `(label, jremat.Plan)` pairs.
       budgets: budgets for each planner, in any form `jremat.plan` accepts (fractions of the
-        unrematerialized temp bytes, footprint bytes, "512MiB", "auto"); () for none.
+        unrematerialized temp bytes, footprint bytes, "512MiB", "auto"); () for none. None
+        (the default): 0.25, 0.5 and 0.75, or, when the lowest compiled reference plan
+        (a built-in per layer, sqrt(n) segments) holds more than 0.25, three budgets from
+        it to 1 (`default_budgets`), so that every default row is feasible.
       argnums: differentiated arguments, as in `jax.grad`.
       runs: when > 0, time this many executions of each row's step (median, seconds).
       solvers: planners run at every budget (the `solver=` names of `jremat.plan`); default
@@ -457,11 +479,14 @@ def compare(
       builtins: `jremat.policies` names applied per layer; default
         `BUILTIN_PER_LAYER` when `policies` is None. Given with `policies`, both are compared.
       description: a caption for tables and plots (for example the model's name).
-      progress: show a tqdm progress bar while compiling.
+      progress: show a tqdm progress bar (row, budget, count) while compiling. Each row's
+        start and result are also logged at INFO level to the "jremat" logger (quiet unless
+        configured, e.g. `jremat.log_to_stderr()`).
 
     Returns:
       A `Comparison`. A budget below what any plan reaches gives a row with status
-      "infeasible" whose note states the smallest reachable budget.
+      "infeasible" whose note states the reachable range (smallest reachable budget .. no
+      remat's).
 
     Raises:
       ValueError: an unknown policy, preset or solver name (the message lists the accepted
@@ -484,18 +509,47 @@ def compare(
             raise ValueError(f"solvers: {s!r} is not a planner; accepted: {', '.join(SOLVERS)}")
     if isinstance(budgets, (str, int, float)):
         budgets = [budgets]
-    specs = [parse_budget(b) for b in budgets]
+    specs = None if budgets is None else [parse_budget(b) for b in budgets]
     jobs = fixed_jobs(policies, builtins)
+    t_start = time.perf_counter()
+    what = description or getattr(fn, "__name__", "the function")
+    logger.info("compare %s: tracing", what)
     prog = Program(fn, args, argnums)
     for job in jobs:
         if job.recipe is not None:
             job.plan = recipe_plan(prog.graph, *job.recipe)
-    jobs += [_Job(_solver_label(s), solver=s, spec=spec) for s in solvers for spec in specs]
+    n_budgets = len(DEFAULT_BUDGETS) if specs is None else len(specs)
+    total = 1 + len(jobs) + len(solvers) * n_budgets
+    bar = _progress(total, progress, what)
+    done = 0
 
-    bar = _progress(1 + len(jobs), progress)
-    bar.set_postfix_str(NO_REMAT)
+    def start(label: str) -> float:
+        bar.set_postfix_str(label)
+        logger.info(
+            "compare %s: %s (%d of %d, %.0f s so far)",
+            what,
+            label,
+            done + 1,
+            total,
+            time.perf_counter() - t_start,
+        )
+        return time.perf_counter()
+
+    def finish(row: Row, t0: float) -> None:
+        nonlocal done
+        done += 1
+        bar.update(1)
+        figures = (
+            f"temp {row.temp_bytes / 2**20:.2f} MiB, {row.extra_flops_pct:+.1f}% FLOPs"
+            if row.ok
+            else row.note or row.status
+        )
+        logger.info(
+            "compare %s: %s: %s (%.1f s)", what, row.label, figures, time.perf_counter() - t0
+        )
+
+    t0 = start(NO_REMAT)
     base = _run(prog, args, None, runs)
-    bar.update(1)
     rows = [
         Row(
             NO_REMAT,
@@ -509,33 +563,38 @@ def compare(
             base.step_seconds,
         )
     ]
+    finish(rows[0], t0)
 
     def extra(flops: float) -> float:
         return 100.0 * (flops / base.flops - 1.0) if base.flops else 0.0
 
-    for job in jobs:
-        bar.set_postfix_str(job.label if job.spec is None else f"{job.label} @ {job.spec.raw}")
+    def run_job(job: _Job) -> None:
+        label = job.label if job.spec is None else f"{job.label} @ {job.spec.raw}"
+        t0 = start(label)
         plan, plan_s, target = job.plan, None, None
         if job.spec is not None:
             target = job.spec.temp_bytes(base.temp_bytes, base.fixed_bytes)
             target = max(int(target), 0)
-            t0 = time.perf_counter()
+            t_plan = time.perf_counter()
             try:
                 plan = solve(prog, job.spec, solver=job.solver)
             except InfeasibleBudgetError as e:
+                top = job.spec.in_caller_unit(base.temp_bytes, base.temp_bytes, base.fixed_bytes)
                 rows.append(
                     Row(
                         job.label,
                         job.spec.raw,
-                        plan_seconds=time.perf_counter() - t0,
+                        plan_seconds=time.perf_counter() - t_plan,
                         budget_temp_bytes=target,
                         status="infeasible",
-                        note=f"infeasible: smallest reachable budget {e.smallest_reachable}",
+                        note=f"infeasible: budget {job.spec.raw} is below the reachable range "
+                        f"{e.smallest_reachable} .. {top} (smallest reachable budget "
+                        f"{e.smallest_reachable}; {top} is no remat)",
                     )
                 )
-                bar.update(1)
-                continue
-            plan_s = time.perf_counter() - t0
+                finish(rows[-1], t0)
+                return
+            plan_s = time.perf_counter() - t_plan
             if plan.is_identity:
                 plan = None  # the budget holds without remat: fn itself
         r = base if plan is None and job.plan is None else _run(prog, args, plan, runs)
@@ -554,9 +613,60 @@ def compare(
                 target,
             )
         )
-        bar.update(1)
+        finish(rows[-1], t0)
+
+    for job in jobs:
+        run_job(job)
+    if specs is None:
+        lowest = _lowest_reference_fraction(prog, jobs, rows[1:], base.temp_bytes)
+        specs = [parse_budget(b) for b in default_budgets(lowest)]
+        if len(specs) != n_budgets:
+            bar.total = total = 1 + len(jobs) + len(solvers) * len(specs)
+        if lowest is not None and lowest > DEFAULT_BUDGETS[0]:
+            logger.info(
+                "compare %s: the lowest reference plan holds %.3f of no remat's temp; budgets "
+                "%s (the defaults %s start below it)",
+                what,
+                lowest,
+                ", ".join(str(sp.raw) for sp in specs),
+                ", ".join(map(str, DEFAULT_BUDGETS)),
+            )
+    for solver in solvers:
+        for spec in specs:
+            run_job(_Job(_solver_label(solver), solver=solver, spec=spec))
     bar.close()
+    logger.info("compare %s: done in %.0f s", what, time.perf_counter() - t_start)
     return Comparison(rows, description, base.temp_bytes)
+
+
+def default_budgets(lowest: float | None) -> tuple[float, ...]:
+    """The planner budgets `compare` runs when given none: `DEFAULT_BUDGETS` (0.25, 0.5, 0.75)
+    when the lowest compiled reference plan (`lowest`, a fraction of no remat's temp bytes;
+    None when unknown) holds at most the smallest of them, else three budgets spread over the
+    reachable range: `lowest` rounded up to 0.01, then a third and two thirds of the way
+    from it to 1. Every reference plan is a candidate of `jremat.plan`, so a budget at or
+    above `lowest` is reachable."""
+    if lowest is None or lowest <= DEFAULT_BUDGETS[0]:
+        return DEFAULT_BUDGETS
+    lo = min(math.ceil(lowest * 100) / 100, 1.0)
+    spread = [round(lo + k * (1.0 - lo) / 3, 2) for k in range(3)]
+    return tuple(sorted(set(spread)))
+
+
+def _lowest_reference_fraction(
+    prog: Program, jobs: list[_Job], fixed_rows: list[Row], base_temp: int
+) -> float | None:
+    """The smallest temp (a fraction of `base_temp`) of the compiled rows that are reference
+    plans of the planner (`ANCHOR_RECIPES`, compiled by `jremat.plan` as candidates); None
+    when no such row was compiled."""
+    if len(layer_segments(prog.graph)) < 2 or not base_temp:
+        return None  # the planner compiles the per-layer recipes only for several layers
+    temps = [
+        row.temp_bytes
+        for job, row in zip(jobs, fixed_rows, strict=True)
+        if job.recipe in ANCHOR_RECIPES and row.ok
+    ]
+    return min(temps) / base_temp if temps else None
 
 
 def _solver_label(solver: str) -> str:
@@ -564,7 +674,7 @@ def _solver_label(solver: str) -> str:
     return AUTO if solver == "auto" else f"{AUTO} ({solver})"
 
 
-def _progress(total: int, enabled: bool):
+def _progress(total: int, enabled: bool, what: str):
     import warnings
 
     from tqdm.std import TqdmWarning
@@ -573,4 +683,4 @@ def _progress(total: int, enabled: bool):
         warnings.simplefilter("ignore", TqdmWarning)
         from tqdm.auto import tqdm
 
-    return tqdm(total=total, disable=not enabled, desc="jremat compare", leave=False)
+    return tqdm(total=total, disable=not enabled, desc=f"jremat compare {what}"[:60], leave=False)

@@ -8,7 +8,6 @@ activation, saved and recomputed bytes, recompute FLOPs and source lines
 from __future__ import annotations
 
 import dataclasses
-import os
 import sys
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -24,6 +23,7 @@ from jremat._src.plan.rewrite import segment_io
 from jremat._src.search.solve import plan
 from jremat._src.trace.graph import Graph, build_graph, trace
 from jremat._src.trace.layers import layer_keys, layer_segments, layer_spans
+from jremat._src.trace.sources import source_span
 
 MIB = 2.0**20
 
@@ -45,8 +45,8 @@ class ExplainRow:
         activation, plus any segment-input values these equations produce).
       flops: FLOPs of these equations; recompute_flops: those the backward pass redoes.
       saved, recomputed: the largest saved/recomputed values, as `dtype[shape]` strings.
-      source: first .. last source line of these equations (`file:line (function)` of the
-        innermost frame in the user's code).
+      source: the user's source lines of these equations (`model.py:12:16-32 (fn)`, the
+        innermost frame outside jax, flax and jremat, relative to the working folder).
     """
 
     layer: str
@@ -98,26 +98,38 @@ class Explanation:
     def __str__(self) -> str:
         return self.table()
 
+    def _repr_html_(self) -> str:
+        """The table as HTML (Jupyter shows it when a cell returns the explanation)."""
+        import html
+
+        return f"<pre>{html.escape(self.table())}</pre>"
+
     def table(self, max_rows: int | None = 40) -> str:
-        """A text table of the rows (at most `max_rows`, largest activations first)."""
+        """A text report: the plan's compiled figures (budget asked, without remat, under the
+        plan), what the columns mean, then the rows (at most `max_rows`, largest activations
+        first), each followed by its source lines."""
+        n_ckpt = sum(s.checkpointed for s in self.plan.segments)
         head = [
-            f"jremat.explain: budget={self.budget!r}, {len(self.plan.segments)} segments "
-            f"({sum(s.checkpointed for s in self.plan.segments)} checkpointed), "
-            f"{self.graph.num_nodes} equations",
+            f"jremat.explain: {self.graph.num_nodes} equations, {len(self.plan.segments)} "
+            f"segments ({n_ckpt} checkpointed), budget={self.budget!r}"
         ]
-        if self.baseline_temp_bytes is not None:
-            line = f"compiled temp: {self.baseline_temp_bytes / MIB:.2f} MiB without remat"
-            if self.planned_temp_bytes is not None:
-                line += f", {self.planned_temp_bytes / MIB:.2f} MiB under the plan"
-            head.append(line)
+        head += self.plan.figures()
         tot = self.total_flops or 1.0
         head.append(
-            f"recompute: {self.total_recompute_flops / 1e6:.4g} MFLOP "
+            f"  per the rows:    recompute {self.total_recompute_flops / 1e6:.4g} MFLOP "
             f"({100 * self.total_recompute_flops / tot:.1f}% of the forward pass)"
         )
+        head += [
+            "Rows: one layer within one plan segment, largest activations first. activ = bytes "
+            "its residuals would keep for the",
+            "  backward pass without remat; saved = of those, kept under the plan; recomp = "
+            "recomputed in the backward pass instead;",
+            "  recomp MFLOP = forward work redone; policy as in Plan.summary (keep, names, or a "
+            "jax.checkpoint_policies name).",
+        ]
         cols = (
             f"{'layer':<22} {'seg':>3} {'policy':>9} {'eqns':>9} {'activ MiB':>9} "
-            f"{'saved MiB':>9} {'recomp MiB':>10} {'recomp MFLOP':>12}  saves / recomputes; source"
+            f"{'saved MiB':>9} {'recomp MiB':>10} {'recomp MFLOP':>12}  saves / recomputes"
         )
         lines = head + [cols]
         shown = self.rows if max_rows is None else self.rows[:max_rows]
@@ -134,7 +146,7 @@ class Explanation:
                 f"{r.recompute_flops / 1e6:>12.4g}  {'; '.join(detail)}"
             )
             if r.source:
-                lines.append(f"{'':>22}   {r.source}")
+                lines.append(f"{'':>22}   at {r.source}")
         if len(shown) < len(self.rows):
             lines.append(f"... {len(self.rows) - len(shown)} more rows (table(max_rows=None))")
         return "\n".join(lines)
@@ -330,22 +342,6 @@ def _layers(graph: Graph) -> list[tuple[int, int, str]]:
     return out
 
 
-def _user_source(node: Any) -> str:
-    """`file:line (function)` of the innermost frame of `node` in the user's code."""
-    frames = _compat.user_frames(node.eqn)
-    if frames is None:
-        return node.source
-    for fr in frames:
-        if "site-packages" in fr.file_name or fr.file_name.startswith(_JREMAT_DIR):
-            continue
-        return f"{os.path.basename(fr.file_name)}:{fr.start_line} ({fr.function_name})"
-    return node.source
-
-
-# library frames (jremat itself) are skipped when looking for the user's source line
-_JREMAT_DIR = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-
 def explain_plan(graph: Graph, p: Plan, model_nodes: int | None = None) -> list[ExplainRow]:
     """The rows of `explain` for a plan on its graph (largest activations first).
 
@@ -415,8 +411,7 @@ def explain_plan(graph: Graph, p: Plan, model_nodes: int | None = None) -> list[
                     node_recomputed = True
             if s.checkpointed and (node_recomputed or not outs):
                 recompute_flops += node.flops
-        first, last = _user_source(graph.nodes[a]), _user_source(graph.nodes[b - 1])
-        source = first if first == last else f"{first} .. {last}"
+        source = source_span(n.eqn for n in graph.nodes[a:b])
         rows.append(
             ExplainRow(
                 layer=label_of.get(a, ""),

@@ -61,7 +61,7 @@ def split_segment(graph: Any, plan: Plan, index: int) -> Plan | None:
     pieces = [Segment(a, b, seg.policy if ckpt else KEEP) for a, b, ckpt in groups]
     out.segments[index : index + 1] = pieces
     out.solver = f"{plan.solver}+split"
-    out.measured_temp_bytes = out.measured_flops = None
+    out.measured_temp_bytes = out.measured_flops = out.measured_footprint_bytes = None
     return out
 
 
