@@ -3,18 +3,24 @@
     jremat compare [--model gpt2] [--size default|tiny] [--budgets 0.25,0.5,0.75]
                    [--policies NAME,...] [--solvers auto,...] [--runs N]
                    [--format markdown|csv|json | --json]
-                   [--plot pareto.png]
+                   [--plot pareto.png] [--quiet]
+    jremat --version
 
 Markdown (the default) prints a caption and the table; `--format csv` prints CSV and
-`--format json` (or `--json`) a JSON list of row objects, with nothing else on stdout. The exit
-status is 0 on success, 2 for invalid arguments or a missing optional package, and 1 when the
-comparison itself fails.
+`--format json` (or `--json`) a JSON list of row objects, with nothing else on stdout. Progress
+goes to stderr: log lines (row, budget, elapsed seconds), and a progress bar when stderr is a
+terminal. The exit status is 0 on success, 2 for invalid arguments or a missing optional
+package, and 1 when the comparison itself fails.
+
+Parsing the arguments (and `--help`, `--version`) imports no jax: the work's modules are
+imported once the arguments are known.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import logging
 import os
 import sys
 import time
@@ -40,11 +46,16 @@ def _names(text: str) -> list[str]:
     return [p.strip() for p in text.split(",") if p.strip()]
 
 
+#: The planners `--solvers` accepts: `jremat.plan`'s `solver=` names (checked against
+#: `jremat._src.search.solve.SOLVERS` in tests; not imported here, which would import jax).
+SOLVER_NAMES = ("auto", "chain", "greedy", "dtr", "milp")
+
+
 def _parser() -> argparse.ArgumentParser:
-    from jremat import models
-    from jremat._src.search.solve import SOLVERS
+    from jremat import __version__, models
 
     parser = argparse.ArgumentParser(prog="jremat", description=__doc__.split("\n")[0])
+    parser.add_argument("--version", action="version", version=f"jremat {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     cmp = sub.add_parser(
         "compare",
@@ -54,7 +65,10 @@ def _parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog="models:\n"
         + "\n".join(f"  {n:11s} {models.describe(n)}" for n in models.NAMES)
-        + "\n\npolicy names: jremat.policies.names() and jremat.policies.preset_names()",
+        + "\n\nextras: the Hugging Face models need transformers (pip install "
+        '"jremat[models]"), resnet also jax-resnet (pip install "jremat[zoo]"); --plot needs '
+        'matplotlib (pip install "jremat[plot]")'
+        + "\npolicy names: jremat.policies.names() and jremat.policies.preset_names()",
     )
     cmp.add_argument(
         "--model", default="gpt2", choices=models.NAMES, help="workload (default: gpt2)"
@@ -63,14 +77,17 @@ def _parser() -> argparse.ArgumentParser:
         "--size",
         default="default",
         choices=models.SIZES,
-        help="model size preset: default (minutes on a laptop CPU) or tiny (seconds)",
+        help="model size preset: default (gpt2: about a minute on a 2-core machine, unloaded; "
+        "other models several minutes) or tiny (20-90 s per model there; for smoke tests)",
     )
     cmp.add_argument(
         "--budgets",
-        default=[0.25, 0.5, 0.75],
+        default=None,
         type=_budgets,
         help='comma-separated planner budgets: fractions, bytes or sizes like "64MiB" '
-        "(default: 0.25,0.5,0.75)",
+        "(default: 0.25,0.5,0.75, or, when the model's lowest reference plan holds more than "
+        "0.25 of its no-remat temp, three budgets from that lowest fraction up to 1, so that "
+        "every default row is feasible)",
     )
     cmp.add_argument(
         "--policies",
@@ -84,7 +101,7 @@ def _parser() -> argparse.ArgumentParser:
         type=_names,
         default=["auto"],
         help="comma-separated planners run at every budget: "
-        f"{', '.join(SOLVERS)} (default: auto, as jremat.plan)",
+        f"{', '.join(SOLVER_NAMES)} (default: auto, as jremat.plan)",
     )
     cmp.add_argument(
         "--runs", type=int, default=0, help="time this many executions of each step (default 0)"
@@ -98,7 +115,13 @@ def _parser() -> argparse.ArgumentParser:
         help="output format on stdout (json: a list of row objects)",
     )
     cmp.add_argument(
-        "--plot", metavar="PATH", help="also save a Pareto plot (temp memory vs extra FLOPs)"
+        "--plot",
+        metavar="PATH",
+        help="also save a Pareto plot (temp memory vs extra FLOPs); needs matplotlib: pip "
+        'install "jremat[plot]"',
+    )
+    cmp.add_argument(
+        "-q", "--quiet", action="store_true", help="no progress on stderr (errors still are)"
     )
     return parser
 
@@ -134,12 +157,33 @@ def _stdout_to_stderr():
             os.close(saved)
 
 
+def _bars_and_logs(quiet: bool):
+    """On a terminal, log lines printed above the progress bar (tqdm's logging redirect)."""
+    if quiet or not sys.stderr.isatty():
+        return contextlib.nullcontext()
+    from tqdm.contrib.logging import logging_redirect_tqdm
+
+    return logging_redirect_tqdm(loggers=[logging.getLogger("jremat")])
+
+
 def _error(msg: str, code: int) -> int:
     print(f"jremat compare: error: {msg}", file=sys.stderr)
     return code
 
 
 def _compare(args: argparse.Namespace) -> int:
+    """`jremat compare` with jremat's log records on stderr (unless --quiet) while it runs."""
+    from jremat import log_to_stderr
+
+    handler = None if args.quiet else log_to_stderr()
+    try:
+        return _run_compare(args)
+    finally:
+        if handler is not None:  # leave a program calling main() as it was
+            logging.getLogger("jremat").removeHandler(handler)
+
+
+def _run_compare(args: argparse.Namespace) -> int:
     from jremat import models
     from jremat._src.reports.comparison import compare, fixed_jobs
     from jremat._src.search.solve import SOLVERS
@@ -163,13 +207,17 @@ def _compare(args: argparse.Namespace) -> int:
         if not os.path.isdir(folder):
             return _error(f"--plot {args.plot!r}: folder {folder!r} does not exist", 2)
     t0 = time.perf_counter()
+    if not args.quiet:
+        print(
+            f"jremat compare: building {args.model} ({args.size} size)", file=sys.stderr, flush=True
+        )
     try:
         with _stdout_to_stderr():
             work = models.get(args.model, size=args.size)
     except (ImportError, ValueError, TypeError) as e:
         return _error(str(e), 2)
     try:
-        with _stdout_to_stderr():
+        with _stdout_to_stderr(), _bars_and_logs(args.quiet):
             result = compare(
                 work.loss,
                 work.params,
@@ -179,7 +227,7 @@ def _compare(args: argparse.Namespace) -> int:
                 solvers=args.solvers,
                 runs=args.runs,
                 description=work.description,
-                progress=sys.stderr.isatty(),
+                progress=sys.stderr.isatty() and not args.quiet,
             )
         fmt_name = "json" if args.json else args.format
         if fmt_name == "json":

@@ -57,6 +57,41 @@ def _run(argv, capsys):
     return code, out, err
 
 
+def test_help_and_version_import_no_jax():
+    """`jremat --help` and `--version` answer before jax is imported (a subprocess: this one
+    has jax already)."""
+    import subprocess
+    import sys
+
+    import jremat
+    from jremat._src.search.solve import SOLVERS
+
+    assert cli.SOLVER_NAMES == SOLVERS  # the copy --help lists without importing the solvers
+    code = (
+        "import sys\n"
+        "from jremat import cli\n"
+        "for argv in (['--help'], ['compare', '--help'], ['--version']):\n"
+        "    assert cli.main(argv) == 0\n"
+        "print('jax imported:', 'jax' in sys.modules)\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True
+    ).stdout
+    assert out.rstrip().endswith("jax imported: False")
+    assert f"jremat {jremat.__version__}" in out and "--budgets BUDGETS" in out
+    assert 'pip install "jremat[zoo]"' in out and 'pip install "jremat[plot]"' in out
+
+
+def test_default_budgets_stay_in_the_reachable_range():
+    from jremat._src.reports.comparison import DEFAULT_BUDGETS, default_budgets
+
+    assert default_budgets(None) == default_budgets(0.2) == DEFAULT_BUDGETS == (0.25, 0.5, 0.75)
+    assert default_budgets(0.25) == DEFAULT_BUDGETS  # the lowest default is reachable
+    assert default_budgets(0.412) == (0.42, 0.61, 0.81)  # tiny MLP: nothing_saveable at 0.412
+    assert default_budgets(0.9) == (0.9, 0.93, 0.97)
+    assert default_budgets(1.0) == (1.0,)
+
+
 def test_markdown_is_the_default(canned, capsys):
     code, out, _ = _run(["--budgets", "0.5,64MiB,1000000"], capsys)
     assert code == 0
@@ -64,6 +99,9 @@ def test_markdown_is_the_default(canned, capsys):
     assert "| policy | budget | temp MiB |" in out and "| jremat auto | 0.5 |" in out
     assert canned[0]["budgets"] == [0.5, "64MiB", 1000000]
     assert canned[0]["policies"] is None
+    assert "Pareto: yes when no other row has both less temp" in out  # the legend
+    _run([], capsys)
+    assert canned[1]["budgets"] is None  # compare's defaults: inside the reachable range
 
 
 def test_json_flag_and_csv_format(canned, capsys):

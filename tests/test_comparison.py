@@ -79,6 +79,7 @@ def test_infeasible_row(result):
     bad = result.rows[-1]
     assert bad.budget == 0.05 and bad.status == "infeasible" and not bad.ok
     assert bad.temp_bytes is None and "smallest reachable budget" in bad.note
+    assert "below the reachable range" in bad.note and bad.note.endswith("1.0 is no remat)")
 
 
 def test_presets_plans_and_builtins_keyword(work):

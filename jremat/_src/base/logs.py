@@ -13,6 +13,22 @@ import sys
 _FORMAT = "%(asctime)s jremat: %(message)s"
 
 
+class _StderrHandler(logging.StreamHandler):
+    """Writes to whatever `sys.stderr` is at the time of each record (pytest, notebooks and
+    `contextlib.redirect_stderr` replace it)."""
+
+    def __init__(self) -> None:
+        super().__init__(sys.stderr)
+
+    @property
+    def stream(self):  # type: ignore[override]
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, value) -> None:  # StreamHandler.__init__ / setStream assign it
+        pass
+
+
 def log_to_stderr(level: int | str = logging.INFO) -> logging.Handler:
     """Print jremat's log records at `level` and above to stderr (`HH:MM:SS jremat: ...`).
 
@@ -33,11 +49,10 @@ def log_to_stderr(level: int | str = logging.INFO) -> logging.Handler:
         if not isinstance(named, int):
             raise ValueError(f"log_to_stderr: unknown level {level!r}; accepted: DEBUG, INFO, ...")
         level = named
-    handler = next((h for h in logger.handlers if getattr(h, "_jremat_stderr", False)), None)
+    handler = next((h for h in logger.handlers if isinstance(h, _StderrHandler)), None)
     if handler is None:
-        handler = logging.StreamHandler(sys.stderr)
+        handler = _StderrHandler()
         handler.setFormatter(logging.Formatter(_FORMAT, datefmt="%H:%M:%S"))
-        handler._jremat_stderr = True  # type: ignore[attr-defined]
         logger.addHandler(handler)
     handler.setLevel(level)
     logger.setLevel(min(level, logger.level or level))
