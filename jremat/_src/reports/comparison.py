@@ -10,11 +10,13 @@ from __future__ import annotations
 import csv
 import dataclasses
 import html
+import importlib.util
 import io
 import json
 import logging
 import math
 import os
+import sys
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -451,7 +453,7 @@ def compare(
     solvers: Sequence[str] = ("auto",),
     builtins: Sequence[str] | None = None,
     description: str = "",
-    progress: bool = True,
+    progress: bool | None = None,
 ) -> Comparison:
     """Compile `fn`'s training step under each remat policy and compare memory and FLOPs.
 
@@ -479,7 +481,8 @@ def compare(
       builtins: `jremat.policies` names applied per layer; default
         `BUILTIN_PER_LAYER` when `policies` is None. Given with `policies`, both are compared.
       description: a caption for tables and plots (for example the model's name).
-      progress: show a tqdm progress bar (row, budget, count) while compiling. Each row's
+      progress: show a tqdm progress bar (row, budget, count) while compiling; None (the
+        default): on a terminal, or as a widget in Jupyter with ipywidgets. Each row's
         start and result are also logged at INFO level to the "jremat" logger (quiet unless
         configured, e.g. `jremat.log_to_stderr()`).
 
@@ -674,13 +677,18 @@ def _solver_label(solver: str) -> str:
     return AUTO if solver == "auto" else f"{AUTO} ({solver})"
 
 
-def _progress(total: int, enabled: bool, what: str):
-    import warnings
+def _progress(total: int, enabled: bool | None, what: str):
+    """A tqdm bar: a widget in a Jupyter kernel that has ipywidgets, else a text bar on stderr.
 
-    from tqdm.std import TqdmWarning
-
-    with warnings.catch_warnings():  # a notebook without ipywidgets gets a text bar, silently
-        warnings.simplefilter("ignore", TqdmWarning)
-        from tqdm.auto import tqdm
-
+    `enabled` None: on when stderr is a terminal or the widget can be drawn; a notebook
+    without ipywidgets gets no bar (and no `TqdmWarning`) unless `enabled` is True, when the
+    text bar is used.
+    """
+    widget = "ipykernel" in sys.modules and importlib.util.find_spec("ipywidgets") is not None
+    if widget:
+        from tqdm.notebook import tqdm
+    else:
+        from tqdm.std import tqdm
+    if enabled is None:
+        enabled = widget or sys.stderr.isatty()
     return tqdm(total=total, disable=not enabled, desc=f"jremat compare {what}"[:60], leave=False)
