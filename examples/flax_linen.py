@@ -67,6 +67,7 @@ class Transformer(nn.Module):
 
 
 def main() -> None:
+    jremat.log_to_stderr()  # progress on stderr (jremat is quiet by default)
     model = Transformer()
     tokens = jnp.asarray(data.batches(BATCH, SEQ + 1, seed=0))
     params = model.init(jax.random.key(0), tokens[:, :-1])["params"]

@@ -80,6 +80,7 @@ def loss_fn(model: Transformer, tokens: jax.Array) -> jax.Array:
 
 
 def main() -> None:
+    jremat.log_to_stderr()  # progress on stderr (jremat is quiet by default)
     model = Transformer(nnx.Rngs(params=0, dropout=1))
     tokens = jnp.asarray(data.batches(BATCH, SEQ + 1, seed=0))
 

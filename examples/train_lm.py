@@ -30,6 +30,7 @@ STEPS, LR, K, BATCH, SEQ = 600, 3e-3, 2, 8, 64
 
 
 def main() -> None:
+    jremat.log_to_stderr()  # progress on stderr (jremat is quiet by default)
     wl = jremat.models.get("gpt2", n_layer=2, n_embd=64, n_head=2, batch_size=BATCH, seq_len=SEQ)
     print(wl.description)
     opt = optax.adam(LR)

@@ -86,6 +86,7 @@ def __getattr__(name: str):
 def __dir__() -> list[str]:
     return sorted({*globals(), *_EXPORTS})
 
+
 __all__ = [
     "Comparison",
     "ExplainRow",

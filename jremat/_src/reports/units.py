@@ -1,5 +1,6 @@
 """Byte units for printed figures."""
 
+
 def memory_unit(nbytes: float) -> tuple[str, float]:
     """("KiB"|"MiB"|"GiB", bytes per unit) to print `nbytes`-sized figures readably."""
     if nbytes >= 2**30:

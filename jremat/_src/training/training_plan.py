@@ -9,6 +9,8 @@ docs/design.md#accumulation-and-microbatching.
 from __future__ import annotations
 
 import dataclasses
+import logging
+import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
@@ -25,6 +27,8 @@ from jremat._src.plan.plan import Plan, plan_key
 from jremat._src.plan.rewrite import rematerialize
 from jremat._src.search.solve import solve
 from jremat._src.training.microbatching import leading_batch_size, microbatch
+
+logger = logging.getLogger(__name__)
 
 __all__ = ["TrainingPlan", "plan_training"]
 
@@ -228,9 +232,21 @@ def plan_training(
     alternatives: list[dict[str, Any]] = []
     fitting: list[tuple[float, int, int, int, Plan | None]] = []
 
+    t_start = time.perf_counter()
+
     def consider(k: int, rb: float | None, p: Plan | None) -> bool:
+        what = f"{k} microbatch{'es' * (k != 1)}, " + ("no remat" if rb is None else f"remat {rb}")
+        logger.info("plan_training: compiling the train step with %s", what)
         fp, temp, flops = _measure(_value_and_grad(loss_fn, k, p), optimizer, step_args)
         ok = fp <= limit
+        logger.info(
+            "plan_training: %s: footprint %.2f MiB, %s the budget %.2f MiB (%.0f s so far)",
+            what,
+            fp / 2**20,
+            "within" if ok else "over",
+            limit / 2**20,
+            time.perf_counter() - t_start,
+        )
         alternatives.append(
             dict(k=k, remat_budget=rb, footprint_bytes=fp, temp_bytes=temp, flops=flops, fits=ok)
         )
@@ -247,6 +263,7 @@ def plan_training(
         prog = Program(loss_fn, (params_a, micro), 0)
         seen: set[str] = set()
         for rb in remat_budgets:
+            logger.info("plan_training: planning remat at %s for %d microbatches", rb, k)
             try:
                 p = solve(prog, parse_budget(rb))
             except InfeasibleBudgetError as e:
