@@ -184,8 +184,10 @@ def test_no_public_name_shadows_a_module():
 # -- what `import jremat` pulls in --------------------------------------------------------------
 def test_import_jremat_does_not_import_optional_heavy_packages():
     code = (
-        "import json, sys; import jremat; "
+        "import json, sys; import jremat; bare = 'jax' in sys.modules; "
+        "[getattr(jremat, n) for n in jremat.__all__]; "  # the public names load lazily
         "print(json.dumps([jremat.__file__, sorted({m.split('.')[0] for m in sys.modules})]))"
+        "; print(json.dumps(bare))"
     )
     r = subprocess.run(
         [sys.executable, "-c", code],
@@ -196,7 +198,9 @@ def test_import_jremat_does_not_import_optional_heavy_packages():
         timeout=300,
     )
     assert r.returncode == 0, r.stderr
-    path, top_level = json.loads(r.stdout.strip().splitlines()[-1])
+    *_, listing, bare = r.stdout.strip().splitlines()
+    path, top_level = json.loads(listing)
+    assert json.loads(bare) is False  # `import jremat` alone imports no jax (`jremat --help`)
     assert Path(path).resolve() == ROOT / "jremat" / "__init__.py"  # the checkout under test
     assert "jax" in top_level  # sanity: the list is what `import jremat` loaded
     unwanted = {"flax", "transformers", "matplotlib"} & set(top_level)
