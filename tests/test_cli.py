@@ -157,3 +157,26 @@ def test_stdout_carries_only_the_json(monkeypatch, capfd):
     out, err = capfd.readouterr()
     assert code == 0 and json.loads(out)[0]["temp_bytes"] == 10
     assert "banner on fd 1" in err and "a Python print" in err
+
+
+def test_log_to_stderr_is_idempotent_and_follows_sys_stderr(capsys):
+    import logging
+
+    import jremat
+
+    logger = logging.getLogger("jremat")
+    before = list(logger.handlers)
+    assert any(isinstance(h, logging.NullHandler) for h in before)  # quiet by default
+    handler = jremat.log_to_stderr()
+    try:
+        assert jremat.log_to_stderr("WARNING") is handler  # one handler, level changed
+        assert handler.level == logging.WARNING
+        logging.getLogger("jremat.test").warning("row %d of %d", 2, 9)
+        logging.getLogger("jremat.test").info("not shown at WARNING")
+        err = capsys.readouterr().err  # the stderr of this test (pytest swaps it per test)
+        assert "jremat: row 2 of 9" in err and "not shown" not in err
+        with pytest.raises(ValueError, match="unknown level 'LOUD'"):
+            jremat.log_to_stderr("LOUD")
+    finally:
+        logger.removeHandler(handler)
+    assert logger.handlers == before

@@ -6,6 +6,7 @@ One tiny comparison (a 4-layer MLP, seconds to compile) is computed once per mod
 from __future__ import annotations
 
 import json
+import logging
 import math
 import re
 
@@ -112,7 +113,8 @@ def test_presets_plans_and_builtins_keyword(work):
     assert c.rows[-1].budget == 0.05 and c.rows[-1].status == "infeasible"
 
 
-def test_builtins_keyword_alone_keeps_the_old_default(work):
+def test_builtins_keyword_alone_keeps_the_old_default(work, caplog):
+    caplog.set_level(logging.INFO, logger="jremat")
     c = jremat.compare(
         work.loss,
         work.params,
@@ -120,8 +122,14 @@ def test_builtins_keyword_alone_keeps_the_old_default(work):
         builtins=("nothing_saveable",),
         budgets=(),
         progress=False,
+        description="tiny",
     )
     assert [r.policy for r in c.rows] == [NO_REMAT, "nothing_saveable per layer", SQRT_N]
+    # progress: each row's start (its count) and its compiled figures, at INFO
+    logged = [r.getMessage() for r in caplog.records if r.name.startswith("jremat")]
+    assert "compare tiny: nothing_saveable per layer (2 of 3, " in "\n".join(logged)
+    temp = c.rows[1].temp_bytes / 2**20
+    assert any(f"nothing_saveable per layer: temp {temp:.2f} MiB" in m for m in logged)
 
 
 @pytest.mark.parametrize(

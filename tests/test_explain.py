@@ -122,3 +122,30 @@ def test_explain_nnx_module():
     assert sum(e.graph.diff_invars) == 4  # the two kernels and biases
     with pytest.raises(TypeError, match="pass an instance"):
         jremat.explain(Mlp, X)
+
+
+def test_summary_of_a_block_plan_states_its_kept_bytes():
+    """A Flax block planned as one segment under a built-in policy: no per-segment model
+    figures ("-"), and the segment keeps the block's compiled kept bytes."""
+    p = jremat.Plan(
+        [jremat.Segment(0, 7, "dots_saveable")],
+        "x",
+        7,
+        solver="whole-block/dots_saveable",
+        budget=0.4,
+        budget_temp_bytes=3_600_000,
+        measured_temp_bytes=3_137_536,
+        baseline_temp_bytes=9_000_000,
+        notes=["block plan: measured_temp_bytes and baseline_temp_bytes are the block's kept"],
+    )
+    lines = p.summary().splitlines()
+    assert lines[0] == (
+        "jremat plan (whole-block/dots_saveable): budget 0.4 = at most 3.43 MiB of compiled "
+        "kept bytes"
+    )
+    assert "under this plan: kept bytes 2.99 MiB (35% of that)" in p.summary()
+    row = lines[-1].split()
+    assert row[:4] == ["0", "0-6", "dots_saveable", "-"]
+    assert row[4] == f"{3_137_536 / 2**20:.2f}" and row[5:7] == ["-", "-"]
+    unverified = jremat.Plan([jremat.Segment(0, 7, KEEP)], "x", 7, budget=0.5)
+    assert "under this plan: not compiled" in unverified.summary()
