@@ -506,7 +506,7 @@ class Plan:
             got = f"  under this plan: {temp} {mb(self.measured_temp_bytes)}"
             if self.baseline_temp_bytes:
                 got += f" ({self.measured_temp_bytes / self.baseline_temp_bytes:.0%} of that)"
-            if self.measured_footprint_bytes is not None:
+            if self.measured_footprint_bytes is not None and not block:  # a block: kept bytes
                 got += f", footprint {mb(self.measured_footprint_bytes)}"
             if self.measured_flops is not None:
                 got += f", {gf(self.measured_flops)}"
