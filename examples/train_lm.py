@@ -8,7 +8,8 @@ gradient taken over 2 microbatches with `jremat.microbatch` (gradient accumulati
 the step, as `optax.MultiSteps` does across steps). It then asks `jremat.plan_training`
 for a configuration that fits a byte budget the plain train step exceeds.
 
-Needs `transformers<5` (`pip install "jremat[models]"`). About a minute on a CPU:
+Needs `transformers<5` (`pip install "jremat[models]"`). 93 s of CPU time on a 2-core machine
+(364 s wall while the machine was shared):
 
     python examples/train_lm.py
 """
