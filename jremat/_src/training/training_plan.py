@@ -263,7 +263,9 @@ def plan_training(
         prog = Program(loss_fn, (params_a, micro), 0)
         seen: set[str] = set()
         for rb in remat_budgets:
-            logger.info("plan_training: planning remat at %s for microbatches of 1/%d", rb, k)
+            logger.info(
+                "plan_training: planning remat at %s for %d microbatch%s", rb, k, "es" * (k != 1)
+            )
             try:
                 p = solve(prog, parse_budget(rb))
             except InfeasibleBudgetError as e:
