@@ -31,6 +31,8 @@ def test_compare_json_and_plot_on_a_tiny_model(tmp_path, capsys):
     assert all(r["status"] == "ok" and r["temp_bytes"] > 0 for r in rows)
     assert png.read_bytes()[:8] == PNG_SIGNATURE and png.stat().st_size > 20_000
     assert "plot written" in err
+    # progress on stderr, not a terminal here: a log line as each row starts and ends
+    assert "jremat: compare residual MLP" in err and "(6 of 6, " in err
 
 
 @pytest.fixture
