@@ -343,6 +343,7 @@ class Plan:
         """Check the segments' fields have their types (start/end ints, policy a string,
         saved/offloaded lists of int value ids) and tile `[0, num_nodes)`; raise ValueError
         naming the segment and field otherwise."""
+        _check_plan_fields(self)
         pos = 0
         for i, s in enumerate(self.segments):
             _check_segment_fields(i, s)
@@ -392,10 +393,25 @@ class Plan:
         """
         try:
             d = json.loads(text)
-            segs = [Segment(**s) for s in d.pop("segments")]
-            raw_scans = d.pop("scans", {})
-        except (json.JSONDecodeError, TypeError, KeyError, AttributeError) as e:
+        except (json.JSONDecodeError, TypeError) as e:
             raise ValueError(f"not a jremat plan JSON: {e}") from e
+        if not isinstance(d, dict):
+            raise ValueError(
+                f"not a jremat plan JSON: the top level must be an object with the fields of "
+                f"jremat.Plan, got {type(d).__name__} {d!r:.80}"
+            )
+        raw_segs = d.pop("segments", None)
+        if not isinstance(raw_segs, list):
+            raise ValueError(f"Plan.segments must be a list of segment objects, got {raw_segs!r:.80}")
+        segs = []
+        for i, raw in enumerate(raw_segs):
+            if not isinstance(raw, dict):
+                raise ValueError(f"Plan.segments[{i}] must be an object, got {raw!r:.80}")
+            try:
+                segs.append(Segment(**raw))
+            except TypeError as e:
+                raise ValueError(f"Plan.segments[{i}]: {e}") from e
+        raw_scans = d.pop("scans", {})
         if not isinstance(raw_scans, dict):
             raise ValueError(
                 f"Plan.scans must be a dict of equation index -> scan setting, got {raw_scans!r}"
@@ -418,9 +434,18 @@ class Plan:
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> Plan:
-        """Read a plan written by `Plan.save`."""
+        """Read a plan written by `Plan.save`.
+
+        Raises:
+          OSError: the file cannot be read.
+          ValueError: it is not a valid plan (as `from_json`); the message names the file.
+        """
         with open(path, encoding="utf-8") as f:
-            return cls.from_json(f.read())
+            text = f.read()
+        try:
+            return cls.from_json(text)
+        except ValueError as e:
+            raise ValueError(f"{os.fspath(path)}: {e}") from e
 
     # -- reporting ------------------------------------------------------------------------
     def summary(self, graph: Graph | None = None) -> str:
@@ -475,6 +500,40 @@ def _is_int(x: Any) -> bool:
     return isinstance(x, numbers.Integral) and not isinstance(x, bool)
 
 
+def _is_number(x: Any) -> bool:
+    return isinstance(x, numbers.Real) and not isinstance(x, bool)
+
+
+#: Plan fields checked by `validate`: name -> (test, accepted form for messages).
+_PLAN_FIELDS: dict[str, tuple[Any, str]] = {
+    "fingerprint": (lambda v: isinstance(v, str), "a string"),
+    "num_nodes": (lambda v: _is_int(v) and v >= 0, "an int >= 0"),
+    "solver": (lambda v: isinstance(v, str), "a string"),
+    "budget_temp_bytes": (lambda v: v is None or _is_int(v), "an int or null"),
+    "predicted_temp_bytes": (_is_int, "an int"),
+    "recompute_flops": (_is_number, "a number"),
+    "measured_temp_bytes": (lambda v: v is None or _is_int(v), "an int or null"),
+    "measured_flops": (lambda v: v is None or _is_number(v), "a number or null"),
+    "baseline_temp_bytes": (lambda v: v is None or _is_int(v), "an int or null"),
+    "notes": (
+        lambda v: isinstance(v, list) and all(isinstance(x, str) for x in v),
+        "a list of strings",
+    ),
+    "offloaded_bytes": (_is_int, "an int"),
+    "segments": (lambda v: isinstance(v, list), "a list of jremat.Segment"),
+}
+
+
+def _check_plan_fields(plan: Plan) -> None:
+    """Raise ValueError naming `Plan.<field>` when a top-level field has the wrong type."""
+    for name, (ok, form) in _PLAN_FIELDS.items():
+        value = getattr(plan, name)
+        if not ok(value):
+            raise ValueError(
+                f"Plan.{name} must be {form}, got {type(value).__name__} {value!r:.80}"
+            )
+
+
 def _check_segment_fields(i: int, s: Any) -> None:
     """Raise ValueError naming `Plan.segments[i]` and the field when a field has the wrong type."""
     where = f"Plan.segments[{i}]"
@@ -484,6 +543,12 @@ def _check_segment_fields(i: int, s: Any) -> None:
         value = getattr(s, name)
         if not _is_int(value):
             raise ValueError(f"{where}.{name} must be an int, got {type(value).__name__} {value!r}")
+    for name in ("stored_bytes", "transient_bytes", "recompute_flops"):
+        value = getattr(s, name)
+        if not _is_number(value):
+            raise ValueError(f"{where}.{name} must be a number, got {type(value).__name__} {value!r}")
+    if not isinstance(s.source, str):
+        raise ValueError(f"{where}.source must be a string, got {s.source!r}")
     if not isinstance(s.policy, str):
         raise ValueError(
             f"{where}.policy must be a string, got {type(s.policy).__name__} {s.policy!r}"
