@@ -82,7 +82,10 @@ def auto(
         nothing is compiled for a Flax block: below budget 1 it gets the one checkpoint that
         keeps only its inputs (as `nn.remat`); a loss function gets the cost model's plan.
       prevent_cse: passed to `jax.checkpoint` (keep True outside scans; False inside
-        `nn.scan`/`nnx.scan` bodies, as for `nn.remat`).
+        `nn.scan`/`nnx.scan` bodies, as for `nn.remat`). Plans are verified with True; False
+        is honoured only where the call is traced inside a loop body (or where that cannot be
+        told): at the top level it would let XLA undo the plan, so True runs there, with a
+        `RuntimeWarning`.
       max_rounds: compiles verification may spend per signature.
       static_argnums: Flax targets: positions of static (hashable, specialised-on) arguments,
         counted as `nn.remat`/`nnx.remat` count them: for a module or method, `self` is 0.

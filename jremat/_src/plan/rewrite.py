@@ -7,6 +7,7 @@ docs/design.md#plans-and-the-rewrite and docs/design.md#jax-versions.
 from __future__ import annotations
 
 import functools
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -224,6 +225,16 @@ def run_graph(graph: Graph, plan: Plan, flat_args: Sequence[Any], *, prevent_cse
         edited by hand, or made for another program); the message names the segment and ids.
     """
     check_value_ids(graph, plan)
+    if not prevent_cse and _compat.loop_context(flat_args) == "top":
+        prevent_cse = True  # the program that runs is the one that was verified
+        warnings.warn(
+            "jremat: prevent_cse=False outside a lax.scan/while_loop body would let XLA merge "
+            "the recomputation into the forward pass and keep every activation (the plan was "
+            "verified with prevent_cse=True); running with prevent_cse=True. Pass "
+            "prevent_cse=False only for a function called inside a scan or loop body.",
+            RuntimeWarning,
+            stacklevel=2,
+        )
     env: dict[int, Any] = dict(zip(graph.invars, flat_args, strict=True))
     env.update(graph.consts)
     for seg in plan.segments:
@@ -287,7 +298,9 @@ def rematerialize(
       fn: the function the plan was made for (positional array/pytree arguments).
       plan: a `jremat.Plan` (from `jremat.plan`, or `Plan.from_json`).
       prevent_cse: passed to `jax.checkpoint`; keep True outside `lax.scan`, or XLA merges the
-        recompute back into the forward pass.
+        recompute back into the forward pass. False is honoured inside a loop body (or where
+        that cannot be told); called at the top level (eagerly or under `jit`/`grad`) it runs
+        with True, as the plan was verified, and warns (`RuntimeWarning`).
 
     Raises:
       TypeError: `plan` is not a `jremat.Plan`.

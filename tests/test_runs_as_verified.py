@@ -1,0 +1,68 @@
+"""The program jremat verifies is the program that runs (issue 14): each test compiles the
+caller's own step and checks *its* temp bytes against the budget."""
+
+from __future__ import annotations
+
+import warnings
+
+import chex
+import jax
+import jax.numpy as jnp
+import pytest
+from models import mlp_chain
+
+import jremat
+
+
+@pytest.fixture(scope="module")
+def chain():
+    m = mlp_chain(depth=4, width=8, batch=256)
+    return m.loss, m.args
+
+
+@pytest.fixture(scope="module")
+def no_cse(chain):
+    """`auto(prevent_cse=False)` on the chain, planned once (with its warning)."""
+    loss, args = chain
+    f = jremat.auto(loss, budget=0.5, prevent_cse=False, solver="chain")
+    with pytest.warns(RuntimeWarning, match="prevent_cse=False outside a lax.scan"):
+        jax.eval_shape(jax.grad(f), *args)
+    return f
+
+
+def temp_bytes(step, *args) -> int:
+    return jax.jit(step).lower(*args).compile().memory_analysis().temp_size_in_bytes
+
+
+def only_plan(f) -> jremat.Plan:
+    (p,) = f.plans.values()
+    return p
+
+
+# -- prevent_cse ------------------------------------------------------------------------------
+def test_prevent_cse_false_at_top_level_runs_the_verified_program(chain, no_cse):
+    """Outside a loop body XLA would merge the recompute into the forward pass (1.00x); jremat
+    runs what it verified (prevent_cse=True) and says so."""
+    loss, args = chain
+    f = no_cse
+    with pytest.warns(RuntimeWarning, match="prevent_cse=False outside a lax.scan"):
+        got = temp_bytes(jax.grad(f), *args)
+    assert got <= only_plan(f).budget_temp_bytes
+    chex.assert_trees_all_close(jax.grad(f)(*args), jax.grad(loss)(*args), rtol=1e-5)
+
+    r = jremat.rematerialize(loss, only_plan(f), prevent_cse=False)
+    with pytest.warns(RuntimeWarning, match="prevent_cse=False"):
+        assert temp_bytes(jax.grad(r), *args) <= only_plan(f).budget_temp_bytes
+
+
+def test_prevent_cse_false_inside_a_scan_body_is_kept(chain, no_cse):
+    loss, (params, x) = chain
+    f = no_cse
+
+    def body(carry, _):
+        g = jax.grad(f)(params, carry)
+        return carry, g[0]["w1"].sum()
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no prevent_cse warning inside the loop body
+        jax.jit(lambda c: jax.lax.scan(body, c, None, length=2)).lower(x).compile()
