@@ -188,6 +188,28 @@ def _traced_for(x: Any) -> str | None:
     return None
 
 
+def is_jaxpr_traced(x: Any) -> bool:
+    """Whether `x` is (or wraps) a tracer of a jaxpr trace (`jit`, `scan`, ...), whose value
+    and placement are unknown at trace time; False for concrete values and for JVP/linearize/
+    vmap tracers of concrete values."""
+    return _traced_for(x) is not None
+
+
+def concrete_primal(x: Any) -> Any:
+    """The concrete array a JVP/linearize/vmap tracer wraps (`x` itself when concrete); None
+    when `x` is (or wraps) a jaxpr tracer."""
+    while isinstance(x, jax.core.Tracer):
+        if getattr(getattr(x, "_trace", None), "frame", None) is not None:
+            return None
+        inner = getattr(x, "primal", None)
+        if inner is None:
+            inner = getattr(x, "val", None)
+        if inner is None:
+            return None
+        x = inner
+    return x
+
+
 def name_stack(eqn: Any) -> str:
     try:
         return str(eqn.source_info.name_stack)

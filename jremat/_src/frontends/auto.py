@@ -240,7 +240,7 @@ def _auto_function(
         with lock:
             if key not in runners:
                 avals = shard_args(args, options.in_shardings, options.mesh)
-                check_known(args, avals)
+                check_known(args, avals, options.in_shardings)
                 nums = normalize_argnums(options.argnums, len(avals))
                 # the one trace of fn at this signature: keyed, planned and run from it
                 graph = build_graph(fn, avals, nums)
