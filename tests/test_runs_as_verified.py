@@ -66,3 +66,28 @@ def test_prevent_cse_false_inside_a_scan_body_is_kept(chain, no_cse):
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # no prevent_cse warning inside the loop body
         jax.jit(lambda c: jax.lax.scan(body, c, None, length=2)).lower(x).compile()
+
+
+# -- static and non-array arguments through the caller's jit -----------------------------------
+def test_static_string_and_bool_through_the_callers_jit(chain):
+    """`jax.jit(jax.grad(auto(loss)), static_argnums=...)`: a str and a bool arrive concrete
+    and are closed over (planned per value, as jit specializes on them); the caller's compiled
+    step holds the budget."""
+    loss, args = chain
+
+    def moded(params, x, mode, double):
+        out = loss(params, x)
+        out = out * 2.0 if double else out
+        return out if mode == "mse" else out + 1.0
+
+    f = jremat.auto(moded, budget=0.6, solver="chain", max_rounds=1)
+    step = jax.jit(jax.grad(f), static_argnums=(2, 3))
+    want = jax.jit(jax.grad(moded), static_argnums=(2, 3))
+    chex.assert_trees_all_close(step(*args, "mse", True), want(*args, "mse", True), rtol=1e-5)
+    p = only_plan(f)
+    got = step.lower(*args, "mse", True).compile().memory_analysis().temp_size_in_bytes
+    assert got <= p.budget_temp_bytes
+    with pytest.raises(TypeError, match=r"argument 2 of moded is list .* neither an array nor"):
+        jax.grad(f)(*args, ["mse"], True)
+    with pytest.raises(TypeError, match=r"argument 0 of moded \(str 'x'\) is differentiated"):
+        f("x", args[1], "mse", True)

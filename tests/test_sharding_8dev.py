@@ -238,7 +238,7 @@ def test_auto_refuses_to_plan_when_the_shardings_are_hidden(context):
 def test_auto_under_eager_grad_reads_the_concrete_shardings():
     """`jax.grad(auto(loss))` called on sharded concrete arrays (no jit): the JVP tracers wrap
     the arrays, whose shardings are read; the plan is per device and holds in the step."""
-    m = M.mlp_chain(depth=3, width=8, batch=1024)
+    m = M.mlp_chain(depth=3, width=8, batch=512)
     mesh = jax.make_mesh((8,), ("data",), axis_types=(AUTO,))
     args = put(m.args, mlp_shardings(m.params, "data", None), mesh)
     f = jremat.auto(m.loss, budget=0.6, solver=M.SOLVER, max_rounds=1)

@@ -300,6 +300,8 @@ def check_known(args: Sequence[Any], avals: Sequence[Any], in_shardings: Any = N
         if _compat.is_jaxpr_traced(x) and leaf_sharding(av) is None and hasattr(x, "shape")
     ]
     mesh = _ambient_mesh()
+    if mesh is not None and explicit_axes(mesh):
+        return  # explicit mode: a tracer's type says its sharding (none: replicated)
     devices = jax.device_count()
     if not hidden or (mesh is None and devices == 1) or (mesh is not None and mesh.size == 1):
         return

@@ -16,6 +16,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
+import numpy as np
 
 from jremat._src.base import compat as _compat
 from jremat._src.base.args import normalize_argnums
@@ -236,18 +237,25 @@ def _auto_function(
                 "takes no keyword or static arguments; close over static values with "
                 "functools.partial."
             )
-        key = signature(args)
+        static = _static_positions(fn, args, options.argnums)
+        dyn = tuple(a for i, a in enumerate(args) if i not in static)
+        statics = tuple((i, args[i]) for i in static)
+        key = signature(dyn) if not statics else (signature(dyn), statics)
         with lock:
             if key not in runners:
-                avals = shard_args(args, options.in_shardings, options.mesh)
-                check_known(args, avals, options.in_shardings)
-                nums = normalize_argnums(options.argnums, len(avals))
+                # static arguments (strings, bools, other non-array values: the caller's
+                # static_argnums) are closed over, as the caller's own jit does
+                f = _bind_static(fn, statics, len(args)) if statics else fn
+                in_shardings = _drop_static(options.in_shardings, static)
+                avals = shard_args(dyn, in_shardings, options.mesh)
+                check_known(dyn, avals, in_shardings)
+                nums = _shift_argnums(options.argnums, static, len(args))
                 # the one trace of fn at this signature: keyed, planned and run from it
-                graph = build_graph(fn, avals, nums)
-                p = cache.get(graph, fn, avals, argnums=nums)
+                graph = build_graph(f, avals, nums)
+                p = cache.get(graph, f, avals, argnums=nums)
                 plans[key] = p
-                runners[key] = _runner(fn, graph, p, options)
-        return runners[key](*args)
+                runners[key] = _runner(f, graph, p, options)
+        return runners[key](*dyn)
 
     wrapper.plans = plans  # type: ignore[attr-defined]
     wrapper.plan_cache = cache  # type: ignore[attr-defined]
@@ -255,6 +263,72 @@ def _auto_function(
     # wrapper does): this marker keeps Flax from wrapping it a second time.
     wrapper.method_handler_wrapped = True  # type: ignore[attr-defined]
     return wrapper
+
+
+def _is_static_arg(a: Any) -> bool:
+    """A positional argument traced as a constant: a bool, a string, or any value with a leaf
+    that is neither an array nor a Python number (a bool is a flag for Python control flow,
+    as with `jax.jit(..., static_argnums=...)`; ints and floats trace as arrays, as in jit)."""
+    if isinstance(a, (bool, np.bool_)):
+        return True
+    leaves = jax.tree_util.tree_leaves(a)
+    return any(
+        isinstance(x, (bool, np.bool_))
+        or not (isinstance(x, (int, float, complex)) or hasattr(x, "shape") and hasattr(x, "dtype"))
+        for x in leaves
+    )
+
+
+def _static_positions(fn: Any, args: Sequence[Any], argnums: Any) -> tuple[int, ...]:
+    """Positions of `args` that are static (`_is_static_arg`).
+
+    Raises:
+      TypeError: a static argument is unhashable, or is a differentiated one (argnums).
+    """
+    static = tuple(i for i, a in enumerate(args) if _is_static_arg(a))
+    name = getattr(fn, "__name__", "fn")
+    diff = set(argnums if isinstance(argnums, (tuple, list)) else (argnums,))
+    for i in static:
+        if i in diff or i - len(args) in diff:
+            raise TypeError(
+                f"argument {i} of {name} ({type(args[i]).__name__} {args[i]!r:.60}) is "
+                f"differentiated (argnums={argnums!r}) but is not an array: pass float arrays "
+                "there, or set argnums to the parameters' position."
+            )
+        try:
+            hash(args[i])
+        except TypeError:
+            raise TypeError(
+                f"argument {i} of {name} is {type(args[i]).__name__} {args[i]!r:.60}, which is "
+                "neither an array nor hashable: jremat traces non-array arguments as constants "
+                "(as jax.jit's static_argnums). Pass arrays, a hashable value, or close over it "
+                "with functools.partial."
+            ) from None
+    return static
+
+
+def _bind_static(fn: Any, statics: tuple, nargs: int) -> Callable[..., Any]:
+    """`fn` of its non-static positional arguments, the static ones fixed."""
+    fixed = dict(statics)
+
+    @functools.wraps(fn)
+    def bound(*dyn: Any) -> Any:
+        it = iter(dyn)
+        return fn(*[fixed[i] if i in fixed else next(it) for i in range(nargs)])
+
+    return bound
+
+
+def _drop_static(in_shardings: Any, static: tuple[int, ...]) -> Any:
+    if not static or not isinstance(in_shardings, (tuple, list)):
+        return in_shardings
+    return tuple(s for i, s in enumerate(in_shardings) if i not in static)
+
+
+def _shift_argnums(argnums: Any, static: tuple[int, ...], nargs: int) -> tuple[int, ...]:
+    """`argnums` (checked against all `nargs` arguments) renumbered without `static`."""
+    nums = normalize_argnums(argnums, nargs)
+    return tuple(a - sum(1 for i in static if i < a) for a in nums)
 
 
 def _runner(
