@@ -91,3 +91,17 @@ def test_static_string_and_bool_through_the_callers_jit(chain):
         jax.grad(f)(*args, ["mse"], True)
     with pytest.raises(TypeError, match=r"argument 0 of moded \(str 'x'\) is differentiated"):
         f("x", args[1], "mse", True)
+
+
+# -- degenerate programs ------------------------------------------------------------------------
+@pytest.mark.parametrize("budget", [1.0, 0.5])
+def test_program_without_equations_runs_unchanged(budget):
+    """`lambda x: x` and a jit returning an input trace to no equations: nothing to keep or
+    recompute (compiled temp 0, so any budget holds); the function runs as written."""
+    x, y = jnp.float32(2.0), jnp.ones(3)
+    for fn, args in [(lambda a: a, (x,)), (jax.jit(lambda a, b: a), (x, y))]:
+        f = jremat.auto(fn, budget=budget)
+        chex.assert_trees_all_close(jax.grad(f)(*args), jax.grad(fn)(*args))
+        p = only_plan(f)
+        assert p.is_identity and p.num_nodes == 0 and p.segments == []
+        assert jremat.Plan.from_json(p.to_json()) == p

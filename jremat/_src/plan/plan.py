@@ -300,7 +300,7 @@ class Plan:
     def identity(cls, graph: Graph, **kw: Any) -> Plan:
         """The plan that rematerializes nothing."""
         return cls(
-            [Segment(0, graph.num_nodes, KEEP)],
+            [Segment(0, graph.num_nodes, KEEP)] if graph.num_nodes else [],  # none: no equations
             graph.fingerprint,
             graph.num_nodes,
             solver="identity",
@@ -362,7 +362,7 @@ class Plan:
     def annotate(self, graph: Graph) -> Plan:
         """Record each segment's layer name and source lines from `graph`; returns self."""
         for s in self.segments:
-            if s.end <= graph.num_nodes:
+            if s.start < s.end <= graph.num_nodes:
                 first, last = graph.nodes[s.start], graph.nodes[s.end - 1]
                 scope = f"[{first.name_stack}] " if first.name_stack else ""
                 s.source = f"{scope}{first.source} .. {last.source}"
