@@ -89,6 +89,9 @@ def auto(
         `RuntimeWarning`.
       max_rounds: compiles verification may spend per signature.
       static_argnums: Flax targets: positions of static (hashable, specialised-on) arguments,
+        (bool and string arguments are static without it). A plain loss function needs none:
+        a positional argument that is a bool, a string or another non-array value (the
+        caller's own `jax.jit(..., static_argnums=...)`) is closed over and planned per value;
         counted as `nn.remat`/`nnx.remat` count them: for a module or method, `self` is 0.
       static_argnames: Flax targets: names of static arguments (honoured, unlike in
         `jax.checkpoint`, which ignores them; names and positions complete each other).
@@ -101,8 +104,11 @@ def auto(
       in_shardings: plain loss functions: the shardings the arguments run under, as in
         `jax.jit` (a `NamedSharding`/`PartitionSpec` for all, or a tuple of pytree prefixes,
         one per argument). Needed when `fn` is called inside `jax.jit` in JAX's default (Auto)
-        sharding mode, where the tracers do not say how they are sharded; sharded concrete
-        arrays and explicit-mode tracers (`jax.sharding.AxisType.Explicit`) carry theirs.
+        sharding mode on more than one device, where the tracers do not say how they are
+        sharded: without it the first call raises a ValueError rather than plan for a guess
+        (`PartitionSpec()` states "not sharded"). Sharded concrete arrays (also under
+        `jax.grad` without jit) and explicit-mode tracers (`jax.sharding.AxisType.Explicit`)
+        carry theirs.
         Budgets are then per device: a fraction is of the unrematerialized per-device temp
         bytes, bytes cap one device's footprint. Inside a `shard_map` body nothing is needed:
         the body's values are per device already.
@@ -131,6 +137,9 @@ def auto(
         range, naming `self`, or naming a parameter that received an unhashable value (the
         message names the argument and how `self` is counted).
       InfeasibleBudgetError: at the first call of a signature whose budget is unreachable.
+      ValueError: at the first call inside `jax.jit` on sharded (Auto mode) tracers without
+        `in_shardings` (above).
+      TypeError: at a call with a non-array argument that is unhashable, or at `argnums`.
     """
     options = AutoOptions(
         budget=budget,
