@@ -89,10 +89,10 @@ def auto(
         `RuntimeWarning`.
       max_rounds: compiles verification may spend per signature.
       static_argnums: Flax targets: positions of static (hashable, specialised-on) arguments,
-        (bool and string arguments are static without it). A plain loss function needs none:
-        a positional argument that is a bool, a string or another non-array value (the
-        caller's own `jax.jit(..., static_argnums=...)`) is closed over and planned per value;
         counted as `nn.remat`/`nnx.remat` count them: for a module or method, `self` is 0.
+        Bool and string arguments are static without it. A plain loss function needs none: a
+        positional bool, string or other non-array argument (the caller's own
+        `jax.jit(..., static_argnums=...)`) is closed over and planned per value.
       static_argnames: Flax targets: names of static arguments (honoured, unlike in
         `jax.checkpoint`, which ignores them; names and positions complete each other).
       methods: linen/NNX classes: the methods to transform (default `["__call__"]`).
