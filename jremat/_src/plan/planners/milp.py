@@ -23,7 +23,7 @@ from jremat._src.trace.graph import Graph
 #: Branch-and-bound nodes per solve by default: HiGHS proves the segment programs of
 #: jremat's models optimal in far fewer (docs/design.md#planners); the limit bounds the
 #: solve's work on larger ones without a clock.
-DEFAULT_MAX_NODES = 2000
+DEFAULT_MAX_NODES = 500
 
 #: A heuristic the MILP starts from: (model, budget in model bytes) -> segments or None.
 Incumbent = Callable[[SegmentModel, float], Segments | None]
