@@ -105,3 +105,28 @@ def test_program_without_equations_runs_unchanged(budget):
         p = only_plan(f)
         assert p.is_identity and p.num_nodes == 0 and p.segments == []
         assert jremat.Plan.from_json(p.to_json()) == p
+
+
+# -- custom_jvp with a traced nondiff argument inside a scan -----------------------------------
+def test_custom_jvp_nondiff_array_in_scan_is_named():
+    import functools
+
+    @functools.partial(jax.custom_jvp, nondiff_argnums=(1,))
+    def scaled(x, s):
+        return jnp.tanh(x) * s
+
+    @scaled.defjvp
+    def _(s, primals, tangents):
+        (x,), (t,) = primals, tangents
+        return scaled(x, s), t * (1 - jnp.tanh(x) ** 2) * s
+
+    def scanned(w, xs):
+        def body(c, x):
+            return scaled(c @ w, jnp.sum(x)), None
+
+        c, _ = jax.lax.scan(body, jnp.ones((4, 8)), xs)
+        return jnp.sum(c**2)
+
+    f = jremat.auto(scanned, budget=0.7)
+    with pytest.raises(TypeError, match=r"scanned uses a jax.custom_jvp inside a lax.scan.*nondiff"):
+        jax.grad(f)(jnp.eye(8) * 0.5, jnp.ones((6, 3)))

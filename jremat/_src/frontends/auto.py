@@ -25,7 +25,7 @@ from jremat._src.frontends.blocks import is_disabled
 from jremat._src.frontends.cache import PlanCache
 from jremat._src.frontends.options import AutoOptions
 from jremat._src.plan.plan import Plan
-from jremat._src.plan.rewrite import rematerialize, run_graph
+from jremat._src.plan.rewrite import check_replayable, rematerialize, run_graph
 from jremat._src.trace.graph import Graph, build_graph, signature
 
 
@@ -261,6 +261,7 @@ def _auto_function(
                 nums = _shift_argnums(options.argnums, static, len(args))
                 # the one trace of fn at this signature: keyed, planned and run from it
                 graph = build_graph(f, avals, nums)
+                check_replayable(graph, getattr(fn, "__name__", "fn"))
                 p = cache.get(graph, f, avals, argnums=nums)
                 plans[key] = p
                 runners[key] = _runner(f, graph, p, options)
