@@ -16,7 +16,6 @@ except Exception as e:  # noqa: BLE001 - no gloo / no distributed runtime: the t
     print(f"UNAVAILABLE {e!r}")
     sys.exit(77)
 
-import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402

@@ -31,7 +31,11 @@ def test_two_processes_choose_the_same_plan_and_finish_the_step():
     procs = [
         subprocess.Popen(
             [sys.executable, str(here / "multiprocess_worker.py"), port, str(i)],
-            env=env, cwd=here.parent, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            env=env,
+            cwd=here.parent,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
         )  # fmt: skip
         for i in range(2)
     ]
@@ -57,4 +61,3 @@ def test_two_processes_choose_the_same_plan_and_finish_the_step():
     _, _, measured, base = plans[0].split()
     assert int(measured) <= 0.6 * int(base)
     assert line(outs[0], "LOSS") == line(outs[1], "LOSS")
-    print(plans[0], line(outs[0], "LOSS"))

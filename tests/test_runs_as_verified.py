@@ -128,5 +128,7 @@ def test_custom_jvp_nondiff_array_in_scan_is_named():
         return jnp.sum(c**2)
 
     f = jremat.auto(scanned, budget=0.7)
-    with pytest.raises(TypeError, match=r"scanned uses a jax.custom_jvp inside a lax.scan.*nondiff"):
+    with pytest.raises(
+        TypeError, match=r"scanned uses a jax.custom_jvp inside a lax.scan.*nondiff"
+    ):
         jax.grad(f)(jnp.eye(8) * 0.5, jnp.ones((6, 3)))

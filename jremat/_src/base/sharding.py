@@ -306,7 +306,8 @@ def check_known(args: Sequence[Any], avals: Sequence[Any], in_shardings: Any = N
     if not hidden or (mesh is None and devices == 1) or (mesh is not None and mesh.size == 1):
         return
     where = (
-        f"under the mesh {mesh_axes(mesh)} (Auto axes)" if mesh is not None
+        f"under the mesh {mesh_axes(mesh)} (Auto axes)"
+        if mesh is not None
         else f"with {devices} devices and no mesh set"
     )
     raise ValueError(

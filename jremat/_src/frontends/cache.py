@@ -183,8 +183,7 @@ class PlanCache:
             p = Plan.load(path)  # a ValueError names the file and the field
         except (OSError, ValueError, UnicodeDecodeError) as e:
             warnings.warn(
-                f"jremat: saved plan {path} cannot be read ({e}); solving again and "
-                "overwriting it",
+                f"jremat: saved plan {path} cannot be read ({e}); solving again and overwriting it",
                 RuntimeWarning,
                 stacklevel=3,
             )

@@ -402,7 +402,9 @@ class Plan:
             )
         raw_segs = d.pop("segments", None)
         if not isinstance(raw_segs, list):
-            raise ValueError(f"Plan.segments must be a list of segment objects, got {raw_segs!r:.80}")
+            raise ValueError(
+                f"Plan.segments must be a list of segment objects, got {raw_segs!r:.80}"
+            )
         segs = []
         for i, raw in enumerate(raw_segs):
             if not isinstance(raw, dict):
@@ -546,7 +548,9 @@ def _check_segment_fields(i: int, s: Any) -> None:
     for name in ("stored_bytes", "transient_bytes", "recompute_flops"):
         value = getattr(s, name)
         if not _is_number(value):
-            raise ValueError(f"{where}.{name} must be a number, got {type(value).__name__} {value!r}")
+            raise ValueError(
+                f"{where}.{name} must be a number, got {type(value).__name__} {value!r}"
+            )
     if not isinstance(s.source, str):
         raise ValueError(f"{where}.source must be a string, got {s.source!r}")
     if not isinstance(s.policy, str):

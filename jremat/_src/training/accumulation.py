@@ -323,9 +323,7 @@ def accumulate(
                 lambda a: jnp.where(emitted, jnp.zeros_like(a), a), new_state.acc_grads
             )
         )
-        new_updates = jax.tree.map(
-            lambda u: jnp.where(emitted, u, jnp.zeros_like(u)), new_updates
-        )
+        new_updates = jax.tree.map(lambda u: jnp.where(emitted, u, jnp.zeros_like(u)), new_updates)
         if lr_scaling is not None:
             factor = lr_scale_factor(k_of(state.gradient_step), lr_scaling, reference_k)
             new_updates = jax.tree.map(lambda u: (u * factor).astype(u.dtype), new_updates)
