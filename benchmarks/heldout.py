@@ -153,12 +153,12 @@ def milp_rows(name: str, budgets) -> list[str]:
     """Chain DP vs the MILP's proven optimum on the model's segment model (no compiles)."""
     loss, params, batch = workload(name)
     graph = jremat.trace(loss, params, batch)
-    from jremat._src.compile.program import AUTO_MILP_MAX_NODES, AUTO_MILP_SECONDS
+    from jremat._src.compile.program import AUTO_MILP_MAX_NODES, AUTO_MILP_NODES
 
-    milp = PLANNERS["milp"](graph, max_cuts=32, time_limit=30.0)
+    milp = PLANNERS["milp"](graph, max_cuts=32, max_nodes=None, time_limit=30.0)
     chain = PLANNERS["chain"](graph, max_cuts=32)
     small = graph.num_nodes <= AUTO_MILP_MAX_NODES  # auto's own planner is then a quick MILP
-    auto = PLANNERS["milp"](graph, max_cuts=32, time_limit=AUTO_MILP_SECONDS) if small else chain
+    auto = PLANNERS["milp"](graph, max_cuts=32, max_nodes=AUTO_MILP_NODES) if small else chain
     out = []
     for b in budgets:
         budget = b * milp.no_remat_peak()

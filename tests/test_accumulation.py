@@ -420,3 +420,21 @@ def test_bad_optimizer_and_state():
     opt = accumulate(optax.sgd(0.1), 2)
     with pytest.raises(TypeError, match="state must be the optax.MultiStepsState"):
         opt.update({"w": jnp.ones(2)}, optax.sgd(0.1).init({"w": jnp.ones(2)}))
+
+
+def test_accumulator_reset_clears_a_non_finite_micro_step():
+    """skip_non_finite=False: a NaN micro-step spoils its own window only; the reset selects
+    zeros (optax.MultiSteps multiplies by 0, which keeps the NaN forever)."""
+    opt = accumulate(optax.chain(optax.zero_nans(), optax.sgd(1.0)), 2)
+    params = jnp.zeros(3)
+    state = opt.init(params)
+    grads = [jnp.full(3, jnp.nan), jnp.ones(3), jnp.ones(3), jnp.ones(3)]
+    moved = []
+    for g in grads:
+        u, state = opt.update(g, state, params)
+        assert np.isfinite(np.asarray(u)).all()
+        params = optax.apply_updates(params, u)
+        moved.append(np.asarray(params))
+    assert np.isfinite(np.asarray(state.acc_grads)).all()
+    np.testing.assert_allclose(moved[1], np.zeros(3))  # NaN window: zero_nans drops it
+    np.testing.assert_allclose(moved[3], np.full(3, -1.0))  # next window moves by the mean

@@ -375,3 +375,59 @@ def test_unverified_smallest_reachable_is_a_valid_budget(cache):
     except jremat.InfeasibleBudgetError as e:
         assert 0.5 < e.smallest_reachable <= 1.0
         parse_budget(e.smallest_reachable)
+
+
+# -- plan files: validated where they enter -------------------------------------------------
+def _plan_text(**fields):
+    import json
+
+    d = {"segments": [{"start": 0, "end": 3, "policy": "keep"}], "fingerprint": "x"}
+    d["num_nodes"] = 3
+    d.update(fields)
+    return json.dumps(d)
+
+
+@pytest.mark.parametrize(
+    "text, shown",
+    [
+        ("null", "the top level must be an object"),
+        ("42", "the top level must be an object"),
+        ('"a plan"', "the top level must be an object"),
+        ('{"segments": 7, "fingerprint": "x", "num_nodes": 3}', "Plan.segments must be a list"),
+        ('{"segments": [3], "fingerprint": "x", "num_nodes": 3}', "Plan.segments[0] must be"),
+        (_plan_text(num_nodes="many"), "Plan.num_nodes must be an int >= 0, got str 'many'"),
+        (_plan_text(measured_temp_bytes="lots"), "Plan.measured_temp_bytes must be an int or null"),
+        (_plan_text(measured_flops=[1]), "Plan.measured_flops must be a number or null"),
+        (_plan_text(fingerprint=5), "Plan.fingerprint must be a string"),
+        (_plan_text(notes="hi"), "Plan.notes must be a list of strings"),
+        (
+            _plan_text(segments=[{"start": 0, "end": 3, "stored_bytes": "big"}]),
+            "Plan.segments[0].stored_bytes must be a number",
+        ),
+    ],
+)
+def test_plan_file_of_the_wrong_shape_names_the_file_and_field(tmp_path, text, shown):
+    path = tmp_path / "plan.json"
+    path.write_text(text)
+    with pytest.raises(ValueError) as info:
+        jremat.Plan.load(path)
+    assert str(info.value).startswith(str(path)), info.value
+    assert shown in str(info.value), info.value
+
+
+def test_corrupt_file_in_plan_dir_is_named_and_planned_again(tmp_path):
+    def loss(w, x):
+        return jnp.sum(jnp.tanh(jnp.tanh(x @ w) @ w))
+
+    w, x = jnp.ones((8, 8)) * 0.1, jnp.ones((4, 8))
+    f = jremat.auto(loss, budget=1.0, plan_dir=tmp_path)
+    want = jax.grad(loss)(w, x)
+    jax.grad(f)(w, x)
+    (saved,) = tmp_path.glob("jremat-*.json")
+    saved.write_text("42")
+    g = jremat.auto(loss, budget=1.0, plan_dir=tmp_path)
+    with pytest.warns(RuntimeWarning, match=str(saved.name)):
+        got = jax.grad(g)(w, x)
+    np.testing.assert_allclose(got, want, rtol=1e-6)
+    assert g.plan_cache.solves == 1
+    assert jremat.Plan.load(saved).num_nodes > 0  # overwritten with a valid plan

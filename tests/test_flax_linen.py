@@ -13,6 +13,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import chex
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -324,3 +325,37 @@ def test_core_errors_surface_unchanged(variables):
         Model(tiny).apply(variables, X, True, rngs=KEYS, mutable=["batch_stats"])
     with pytest.raises(ValueError, match="budget"):
         jremat.auto(Block, budget=2.5)
+
+
+def test_undeclared_train_flag_and_methods_given_as_functions():
+    """A bool `train` argument not declared static is static (it can only steer Python
+    control flow); `methods=[Module.method]` names the method as `nn.remat` would."""
+
+    class Block(nn.Module):
+        @nn.compact
+        def __call__(self, x, train):
+            h = jnp.tanh(nn.Dense(16)(x))
+            return nn.Dense(8)(h * 0.5 if train else h) + x
+
+        def encode(self, x):
+            return self(x, False)
+
+    def net(block):
+        class Net(nn.Module):
+            @nn.compact
+            def __call__(self, x, train=True):
+                for _ in range(2):
+                    x = block()(x, train)
+                return jnp.mean(x**2)
+
+        return Net()
+
+    x = jnp.ones((8, 8))
+    planned = net(jremat.auto(Block, budget=0.9, verify=False))
+    v = planned.init(jax.random.PRNGKey(0), x)
+    got = jax.jit(jax.grad(lambda v, x: planned.apply(v, x, True)))(v, x)
+    want = jax.grad(lambda v, x: net(Block).apply(v, x, True))(v, x)
+    chex.assert_trees_all_close(got, want, rtol=1e-5)
+    assert "encode" in jremat.auto(Block, budget=0.9, verify=False, methods=[Block.encode]).__dict__
+    with pytest.raises(TypeError, match="methods must be None, a method name"):
+        jremat.auto(Block, budget=0.9, methods=[3])

@@ -212,10 +212,38 @@ def test_byte_budget_is_per_device(chain):
     assert budget < 0.5 * jremat.measure(chain.loss, *chain.args).footprint_bytes
 
 
-def test_auto_warns_when_the_shardings_are_hidden(chain):
-    """Inside jit under `jax.set_mesh` (Auto axes) the tracers hide their shardings: without
-    in_shardings, auto says it plans the unpartitioned program."""
+@pytest.mark.parametrize("context", ["set_mesh", "device_put"])
+def test_auto_refuses_to_plan_when_the_shardings_are_hidden(context):
+    """Inside jit in Auto mode the tracers hide their shardings (under `jax.set_mesh`, or
+    arrays merely placed with `device_put`): without in_shardings, auto raises at trace time
+    naming what to pass, instead of planning the unpartitioned program; a stated
+    `in_shardings=PartitionSpec()` (not sharded) is accepted."""
+    m = M.mlp_chain(depth=2, width=8, batch=64)
     mesh = jax.make_mesh((8,), ("data",), axis_types=(AUTO,))
-    f = jremat.auto(chain.loss, budget=0.9, verify=False)
-    with jax.set_mesh(mesh), pytest.warns(RuntimeWarning, match="Pass in_shardings="):
-        jax.jit(jax.grad(f))(*chain.args)
+    f = jremat.auto(m.loss, budget=0.9, verify=False)
+    args = put(m.args, mlp_shardings(m.params, "data", None), mesh)
+    with pytest.raises(ValueError, match=r"in_shardings=.*PartitionSpec\(\)") as info:
+        if context == "set_mesh":
+            with jax.set_mesh(mesh):
+                jax.jit(jax.grad(f))(*m.args)
+        else:
+            jax.jit(jax.grad(f))(*args)
+    assert ("Auto" if context == "set_mesh" else "no mesh set") in str(info.value)
+    if context == "device_put":
+        unsharded = jremat.auto(m.loss, budget=0.9, verify=False, in_shardings=P())
+        got = jax.jit(jax.grad(unsharded))(*m.args)
+        assert max_diff(got, jax.grad(m.loss)(*m.args)) < 1e-6
+
+
+def test_auto_under_eager_grad_reads_the_concrete_shardings():
+    """`jax.grad(auto(loss))` called on sharded concrete arrays (no jit): the JVP tracers wrap
+    the arrays, whose shardings are read; the plan is per device and holds in the step."""
+    m = M.mlp_chain(depth=3, width=8, batch=512)
+    mesh = jax.make_mesh((8,), ("data",), axis_types=(AUTO,))
+    args = put(m.args, mlp_shardings(m.params, "data", None), mesh)
+    f = jremat.auto(m.loss, budget=0.6, solver=M.SOLVER, max_rounds=1)
+    assert max_diff(jax.grad(f)(*args), jax.grad(m.loss)(*args)) <= 1e-6
+    (plan,) = f.plans.values()
+    base = per_device_temp(m.loss, args)
+    assert plan.baseline_temp_bytes == base
+    assert per_device_temp(jremat.rematerialize(m.loss, plan), args) <= 0.6 * base

@@ -6,6 +6,7 @@ What differs and what was measured: docs/design.md#jax-versions.
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Sequence
 from typing import Any
 
 import jax
@@ -150,6 +151,63 @@ def user_frames(eqn: Any) -> list[Any] | None:
 
 def is_tracer(x: Any) -> bool:
     return isinstance(x, jax.core.Tracer)
+
+
+#: `DebugInfo.traced_for` of the traces of loop bodies (`lax.scan`, `while_loop`, `fori_loop`).
+_LOOP_BODIES = ("scan", "while", "fori")
+
+
+def loop_context(flat_args: Sequence[Any]) -> str:
+    """Where values are traced: "loop" (a `lax.scan`/`while_loop`/`fori_loop` body), "top"
+    (concrete, or a `jit`/`grad` trace of concrete values), or "unknown" (another
+    transformation's trace, e.g. `jax.checkpoint`, which may itself sit in a loop body).
+    Reads JAX internals (a trace's `frame.debug_info.traced_for`); "unknown" when absent."""
+    found = "top"
+    for x in flat_args:
+        what = _traced_for(x)
+        if isinstance(what, str) and what.startswith(_LOOP_BODIES):
+            return "loop"
+        if what not in (None, "jit", "pjit"):
+            found = "unknown"
+    return found
+
+
+def _traced_for(x: Any) -> str | None:
+    """The `traced_for` of the jaxpr trace `x` belongs to, looking through JVP/linearize/vmap
+    tracers to their primal; None for a concrete value, "?" when it cannot be told."""
+    while isinstance(x, jax.core.Tracer):
+        frame = getattr(getattr(x, "_trace", None), "frame", None)
+        if frame is not None:
+            return getattr(getattr(frame, "debug_info", None), "traced_for", None) or "?"
+        inner = getattr(x, "primal", None)
+        if inner is None:
+            inner = getattr(x, "val", None)
+        if inner is None:
+            return "?"
+        x = inner
+    return None
+
+
+def is_jaxpr_traced(x: Any) -> bool:
+    """Whether `x` is (or wraps) a tracer of a jaxpr trace (`jit`, `scan`, ...), whose value
+    and placement are unknown at trace time; False for concrete values and for JVP/linearize/
+    vmap tracers of concrete values."""
+    return _traced_for(x) is not None
+
+
+def concrete_primal(x: Any) -> Any:
+    """The concrete array a JVP/linearize/vmap tracer wraps (`x` itself when concrete); None
+    when `x` is (or wraps) a jaxpr tracer."""
+    while isinstance(x, jax.core.Tracer):
+        if getattr(getattr(x, "_trace", None), "frame", None) is not None:
+            return None
+        inner = getattr(x, "primal", None)
+        if inner is None:
+            inner = getattr(x, "val", None)
+        if inner is None:
+            return None
+        x = inner
+    return x
 
 
 def name_stack(eqn: Any) -> str:

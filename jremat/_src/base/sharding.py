@@ -84,7 +84,8 @@ def leaf_sharding(x: Any) -> Any:
         s = getattr(jax.typeof(x), "sharding", None)
         if isinstance(s, NamedSharding) and explicit_axes(s.mesh):
             return s
-        return None
+        inner = _compat.concrete_primal(x)  # grad/vmap of a concrete array: its placement
+        return None if inner is None or _compat.is_tracer(inner) else leaf_sharding(inner)
     s = getattr(x, "sharding", None)
     if isinstance(s, NamedSharding) and s.mesh.size > 1:
         return s
@@ -141,6 +142,8 @@ def _to_sharding(entry: Any, mesh: Any, where: str) -> Any:
         return entry
     if isinstance(entry, PartitionSpec):
         m = mesh if mesh is not None else _ambient_mesh()
+        if m is None and not any(spec_axes(e) for e in entry):
+            return None  # PartitionSpec() without a mesh: not sharded (one device, replicated)
         if m is None:
             raise ValueError(
                 f"in_shardings{where} is the PartitionSpec {entry}, but no mesh is known: "
@@ -279,23 +282,42 @@ def _caller_stacklevel() -> int:
     return level
 
 
-def check_known(args: Sequence[Any], avals: Sequence[Any]) -> None:
-    """Warn when `args` are tracers under a mesh (`jax.set_mesh`, Auto axes) whose shardings
-    jremat cannot see: it would plan the unpartitioned program. `in_shardings=` fixes it."""
-    leaves = jax.tree_util.tree_leaves(args)
-    if not any(_compat.is_tracer(x) for x in leaves) or manual_axes():
-        return
-    mesh = _ambient_mesh()
-    if mesh is None or arg_mesh(jax.tree_util.tree_leaves(avals)) is not None:
-        return
-    import warnings
+def check_known(args: Sequence[Any], avals: Sequence[Any], in_shardings: Any = None) -> None:
+    """Refuse to plan when the arguments' shardings are hidden: traced inside `jax.jit` (or
+    another jaxpr trace) in JAX's default Auto mode on more than one device, where a tracer does
+    not say how it is sharded, with no `in_shardings=` given. jremat would otherwise plan the
+    unpartitioned program while the partitioned one runs (docs/design.md#sharding).
 
-    warnings.warn(
-        f"jremat: called inside jax.jit under the mesh {mesh_axes(mesh)} (Auto sharding), where "
-        "tracers do not reveal how the arguments are sharded; planning the unpartitioned "
-        "program. Pass in_shardings= (as to jax.jit) to plan per device.",
-        RuntimeWarning,
-        stacklevel=3,
+    Raises:
+      ValueError: naming `in_shardings=`, `mesh=` and the explicit sharding mode.
+    """
+    if in_shardings is not None or manual_axes():
+        return
+    flat, flat_avals = jax.tree_util.tree_leaves(args), jax.tree_util.tree_leaves(avals)
+    hidden = [
+        i
+        for i, (x, av) in enumerate(zip(flat, flat_avals, strict=True))
+        if _compat.is_jaxpr_traced(x) and leaf_sharding(av) is None and hasattr(x, "shape")
+    ]
+    mesh = _ambient_mesh()
+    if mesh is not None and explicit_axes(mesh):
+        return  # explicit mode: a tracer's type says its sharding (none: replicated)
+    devices = jax.device_count()
+    if not hidden or (mesh is None and devices == 1) or (mesh is not None and mesh.size == 1):
+        return
+    where = (
+        f"under the mesh {mesh_axes(mesh)} (Auto axes)"
+        if mesh is not None
+        else f"with {devices} devices and no mesh set"
+    )
+    raise ValueError(
+        f"jremat.auto is called inside jax.jit {where}, where the traced arguments do not say "
+        f"how they are sharded ({len(hidden)} of {len(flat)} array leaves), and a plan "
+        "verified for another partitioning does not hold for the program that runs. Pass "
+        "in_shardings= (as to jax.jit: the shardings the arguments run under, with mesh= or "
+        "jax.set_mesh for PartitionSpecs), in_shardings=PartitionSpec() if they are not "
+        "sharded (one device, or replicated), or use explicit sharding "
+        "(jax.sharding.AxisType.Explicit), whose tracers carry their shardings."
     )
 
 

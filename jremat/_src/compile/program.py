@@ -26,13 +26,16 @@ from jremat._src.plan.rewrite import rematerialize
 from jremat._src.trace.graph import Graph, build_graph
 from jremat._src.trace.layers import has_scan, layer_segments
 
-#: `solver="auto"` uses the exact MILP (1 s per solve, warm-started with the chain DP's plan)
+#: `solver="auto"` uses the exact MILP (`AUTO_MILP_NODES` branch-and-bound nodes per solve,
+#: warm-started with the chain DP's plan)
 #: up to this many equations; above, the chain DP, which is exact on the same model up to its
 #: 1/384 memory discretization and runs in well under a second.
 AUTO_MILP_MAX_NODES = 120
 
 
-AUTO_MILP_SECONDS = 1.0
+#: The node limit of `solver="auto"`'s MILP: a bound on work, not on time, so the plan is
+#: the same on every process and under any load (docs/design.md#planners).
+AUTO_MILP_NODES = 16
 
 
 @dataclasses.dataclass
@@ -160,7 +163,7 @@ class Program:
         kw: dict[str, Any] = {}
         if solver == "auto":
             solver = "milp" if self.graph.num_nodes <= AUTO_MILP_MAX_NODES else "chain"
-            kw = {"time_limit": AUTO_MILP_SECONDS} if solver == "milp" else {}
+            kw = {"max_nodes": AUTO_MILP_NODES} if solver == "milp" else {}
         if solver == "milp":
             max_cuts = min(max_cuts, 32)  # the MILP has O(max_cuts x span x options) binaries
         key = (solver, max_cuts, offload)

@@ -16,6 +16,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
+import numpy as np
 
 from jremat._src.base import compat as _compat
 from jremat._src.base.args import normalize_argnums
@@ -24,7 +25,7 @@ from jremat._src.frontends.blocks import is_disabled
 from jremat._src.frontends.cache import PlanCache
 from jremat._src.frontends.options import AutoOptions
 from jremat._src.plan.plan import Plan
-from jremat._src.plan.rewrite import rematerialize, run_graph
+from jremat._src.plan.rewrite import check_replayable, rematerialize, run_graph
 from jremat._src.trace.graph import Graph, build_graph, signature
 
 
@@ -82,10 +83,16 @@ def auto(
         nothing is compiled for a Flax block: below budget 1 it gets the one checkpoint that
         keeps only its inputs (as `nn.remat`); a loss function gets the cost model's plan.
       prevent_cse: passed to `jax.checkpoint` (keep True outside scans; False inside
-        `nn.scan`/`nnx.scan` bodies, as for `nn.remat`).
+        `nn.scan`/`nnx.scan` bodies, as for `nn.remat`). Plans are verified with True; False
+        is honoured only where the call is traced inside a loop body (or where that cannot be
+        told): at the top level it would let XLA undo the plan, so True runs there, with a
+        `RuntimeWarning`.
       max_rounds: compiles verification may spend per signature.
       static_argnums: Flax targets: positions of static (hashable, specialised-on) arguments,
         counted as `nn.remat`/`nnx.remat` count them: for a module or method, `self` is 0.
+        Bool and string arguments are static without it. A plain loss function needs none: a
+        positional bool, string or other non-array argument (the caller's own
+        `jax.jit(..., static_argnums=...)`) is closed over and planned per value.
       static_argnames: Flax targets: names of static arguments (honoured, unlike in
         `jax.checkpoint`, which ignores them; names and positions complete each other).
       methods: linen/NNX classes: the methods to transform (default `["__call__"]`).
@@ -97,8 +104,11 @@ def auto(
       in_shardings: plain loss functions: the shardings the arguments run under, as in
         `jax.jit` (a `NamedSharding`/`PartitionSpec` for all, or a tuple of pytree prefixes,
         one per argument). Needed when `fn` is called inside `jax.jit` in JAX's default (Auto)
-        sharding mode, where the tracers do not say how they are sharded; sharded concrete
-        arrays and explicit-mode tracers (`jax.sharding.AxisType.Explicit`) carry theirs.
+        sharding mode on more than one device, where the tracers do not say how they are
+        sharded: without it the first call raises a ValueError rather than plan for a guess
+        (`PartitionSpec()` states "not sharded"). Sharded concrete arrays (also under
+        `jax.grad` without jit) and explicit-mode tracers (`jax.sharding.AxisType.Explicit`)
+        carry theirs.
         Budgets are then per device: a fraction is of the unrematerialized per-device temp
         bytes, bytes cap one device's footprint. Inside a `shard_map` body nothing is needed:
         the body's values are per device already.
@@ -127,6 +137,9 @@ def auto(
         range, naming `self`, or naming a parameter that received an unhashable value (the
         message names the argument and how `self` is counted).
       InfeasibleBudgetError: at the first call of a signature whose budget is unreachable.
+      ValueError: at the first call inside `jax.jit` on sharded (Auto mode) tracers without
+        `in_shardings` (above).
+      TypeError: at a call with a non-array argument that is unhashable, or at `argnums`.
     """
     options = AutoOptions(
         budget=budget,
@@ -233,18 +246,26 @@ def _auto_function(
                 "takes no keyword or static arguments; close over static values with "
                 "functools.partial."
             )
-        key = signature(args)
+        static = _static_positions(fn, args, options.argnums)
+        dyn = tuple(a for i, a in enumerate(args) if i not in static)
+        statics = tuple((i, args[i]) for i in static)
+        key = signature(dyn) if not statics else (signature(dyn), statics)
         with lock:
             if key not in runners:
-                avals = shard_args(args, options.in_shardings, options.mesh)
-                check_known(args, avals)
-                nums = normalize_argnums(options.argnums, len(avals))
+                # static arguments (strings, bools, other non-array values: the caller's
+                # static_argnums) are closed over, as the caller's own jit does
+                f = _bind_static(fn, statics, len(args)) if statics else fn
+                in_shardings = _drop_static(options.in_shardings, static)
+                avals = shard_args(dyn, in_shardings, options.mesh)
+                check_known(dyn, avals, in_shardings)
+                nums = _shift_argnums(options.argnums, static, len(args))
                 # the one trace of fn at this signature: keyed, planned and run from it
-                graph = build_graph(fn, avals, nums)
-                p = cache.get(graph, fn, avals, argnums=nums)
+                graph = build_graph(f, avals, nums)
+                check_replayable(graph, getattr(fn, "__name__", "fn"))
+                p = cache.get(graph, f, avals, argnums=nums)
                 plans[key] = p
-                runners[key] = _runner(fn, graph, p, options)
-        return runners[key](*args)
+                runners[key] = _runner(f, graph, p, options)
+        return runners[key](*dyn)
 
     wrapper.plans = plans  # type: ignore[attr-defined]
     wrapper.plan_cache = cache  # type: ignore[attr-defined]
@@ -252,6 +273,72 @@ def _auto_function(
     # wrapper does): this marker keeps Flax from wrapping it a second time.
     wrapper.method_handler_wrapped = True  # type: ignore[attr-defined]
     return wrapper
+
+
+def _is_static_arg(a: Any) -> bool:
+    """A positional argument traced as a constant: a bool, a string, or any value with a leaf
+    that is neither an array nor a Python number (a bool is a flag for Python control flow,
+    as with `jax.jit(..., static_argnums=...)`; ints and floats trace as arrays, as in jit)."""
+    if isinstance(a, (bool, np.bool_)):
+        return True
+    leaves = jax.tree_util.tree_leaves(a)
+    return any(
+        isinstance(x, (bool, np.bool_))
+        or not (isinstance(x, (int, float, complex)) or hasattr(x, "shape") and hasattr(x, "dtype"))
+        for x in leaves
+    )
+
+
+def _static_positions(fn: Any, args: Sequence[Any], argnums: Any) -> tuple[int, ...]:
+    """Positions of `args` that are static (`_is_static_arg`).
+
+    Raises:
+      TypeError: a static argument is unhashable, or is a differentiated one (argnums).
+    """
+    static = tuple(i for i, a in enumerate(args) if _is_static_arg(a))
+    name = getattr(fn, "__name__", "fn")
+    diff = set(argnums if isinstance(argnums, (tuple, list)) else (argnums,))
+    for i in static:
+        if i in diff or i - len(args) in diff:
+            raise TypeError(
+                f"argument {i} of {name} ({type(args[i]).__name__} {args[i]!r:.60}) is "
+                f"differentiated (argnums={argnums!r}) but is not an array: pass float arrays "
+                "there, or set argnums to the parameters' position."
+            )
+        try:
+            hash(args[i])
+        except TypeError:
+            raise TypeError(
+                f"argument {i} of {name} is {type(args[i]).__name__} {args[i]!r:.60}, which is "
+                "neither an array nor hashable: jremat traces non-array arguments as constants "
+                "(as jax.jit's static_argnums). Pass arrays, a hashable value, or close over it "
+                "with functools.partial."
+            ) from None
+    return static
+
+
+def _bind_static(fn: Any, statics: tuple, nargs: int) -> Callable[..., Any]:
+    """`fn` of its non-static positional arguments, the static ones fixed."""
+    fixed = dict(statics)
+
+    @functools.wraps(fn)
+    def bound(*dyn: Any) -> Any:
+        it = iter(dyn)
+        return fn(*[fixed[i] if i in fixed else next(it) for i in range(nargs)])
+
+    return bound
+
+
+def _drop_static(in_shardings: Any, static: tuple[int, ...]) -> Any:
+    if not static or not isinstance(in_shardings, (tuple, list)):
+        return in_shardings
+    return tuple(s for i, s in enumerate(in_shardings) if i not in static)
+
+
+def _shift_argnums(argnums: Any, static: tuple[int, ...], nargs: int) -> tuple[int, ...]:
+    """`argnums` (checked against all `nargs` arguments) renumbered without `static`."""
+    nums = normalize_argnums(argnums, nargs)
+    return tuple(a - sum(1 for i in static if i < a) for a in nums)
 
 
 def _runner(

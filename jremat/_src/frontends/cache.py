@@ -179,7 +179,15 @@ class PlanCache:
         path = self.path(key)
         if path is None or not path.exists():
             return None
-        p = Plan.load(path)
+        try:
+            p = Plan.load(path)  # a ValueError names the file and the field
+        except (OSError, ValueError, UnicodeDecodeError) as e:
+            warnings.warn(
+                f"jremat: saved plan {path} cannot be read ({e}); solving again and overwriting it",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+            return None
         if p.fingerprint != graph.fingerprint or p.num_nodes != graph.num_nodes:
             warnings.warn(
                 f"jremat: saved plan {path} was made for program {p.fingerprint} "

@@ -164,7 +164,7 @@ def split_static(
     static_pos = {}
     dyn = []
     for i, a in enumerate(args):
-        if i in nums:
+        if i in nums or _is_flag(a):
             label = param_names[i] if i < len(param_names) else f"args[{i}]"
             nxt = param_names[i + 1] if i + 1 < len(param_names) else None
             check_hashable(a, label, i + label_offset, owner, nxt)
@@ -174,12 +174,18 @@ def split_static(
     static_kw = {}
     dyn_kw = {}
     for k, v in kwargs.items():
-        if k in names:
+        if k in names or _is_flag(v):
             check_hashable(v, k, None, owner)
             static_kw[k] = v
         else:
             dyn_kw[k] = v
     return static_pos, dyn, static_kw, dyn_kw
+
+
+def _is_flag(a: Any) -> bool:
+    """A bool or string argument (a `train` flag, a mode): static even when not declared, as
+    it can only steer Python control flow (traced, `if train:` would fail)."""
+    return isinstance(a, (bool, str)) or type(a).__name__ == "bool_"
 
 
 def merge_static(static_pos: dict[int, Any], dyn: Sequence[Any]) -> list[Any]:
@@ -293,11 +299,19 @@ def method_names(methods: Any) -> list[str]:
         return ["__call__"]
     if isinstance(methods, str):
         return [methods]
-    if isinstance(methods, (list, tuple)):
-        return list(methods)
-    raise TypeError(
-        f"methods must be None, a method name or a list of names, got {type(methods).__name__}"
-    )
+    items = methods if isinstance(methods, (list, tuple)) else [methods]
+    out = []
+    for m in items:
+        if isinstance(m, str):
+            out.append(m)
+        elif callable(m) and isinstance(getattr(m, "__name__", None), str):
+            out.append(m.__name__)  # Module.method: the function, named as nn.remat names it
+        else:
+            raise TypeError(
+                f"methods must be None, a method name or a list of names (or the methods "
+                f"themselves, e.g. [Module.encode]), got {type(m).__name__} {m!r:.60}"
+            )
+    return out
 
 
 def auto_linen_class(target: Any, options: AutoOptions, cache: PlanCache) -> Any:

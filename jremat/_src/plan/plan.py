@@ -306,7 +306,7 @@ class Plan:
     def identity(cls, graph: Graph, **kw: Any) -> Plan:
         """The plan that rematerializes nothing."""
         return cls(
-            [Segment(0, graph.num_nodes, KEEP)],
+            [Segment(0, graph.num_nodes, KEEP)] if graph.num_nodes else [],  # none: no equations
             graph.fingerprint,
             graph.num_nodes,
             solver="identity",
@@ -349,6 +349,7 @@ class Plan:
         """Check the segments' fields have their types (start/end ints, policy a string,
         saved/offloaded lists of int value ids) and tile `[0, num_nodes)`; raise ValueError
         naming the segment and field otherwise."""
+        _check_plan_fields(self)
         pos = 0
         for i, s in enumerate(self.segments):
             _check_segment_fields(i, s)
@@ -367,7 +368,7 @@ class Plan:
     def annotate(self, graph: Graph) -> Plan:
         """Record each segment's layer name and source lines from `graph`; returns self."""
         for s in self.segments:
-            if s.end <= graph.num_nodes:
+            if s.start < s.end <= graph.num_nodes:
                 s.source = _segment_source(graph, s)
         return self
 
@@ -396,10 +397,27 @@ class Plan:
         """
         try:
             d = json.loads(text)
-            segs = [Segment(**s) for s in d.pop("segments")]
-            raw_scans = d.pop("scans", {})
-        except (json.JSONDecodeError, TypeError, KeyError, AttributeError) as e:
+        except (json.JSONDecodeError, TypeError) as e:
             raise ValueError(f"not a jremat plan JSON: {e}") from e
+        if not isinstance(d, dict):
+            raise ValueError(
+                f"not a jremat plan JSON: the top level must be an object with the fields of "
+                f"jremat.Plan, got {type(d).__name__} {d!r:.80}"
+            )
+        raw_segs = d.pop("segments", None)
+        if not isinstance(raw_segs, list):
+            raise ValueError(
+                f"Plan.segments must be a list of segment objects, got {raw_segs!r:.80}"
+            )
+        segs = []
+        for i, raw in enumerate(raw_segs):
+            if not isinstance(raw, dict):
+                raise ValueError(f"Plan.segments[{i}] must be an object, got {raw!r:.80}")
+            try:
+                segs.append(Segment(**raw))
+            except TypeError as e:
+                raise ValueError(f"Plan.segments[{i}]: {e}") from e
+        raw_scans = d.pop("scans", {})
         if not isinstance(raw_scans, dict):
             raise ValueError(
                 f"Plan.scans must be a dict of equation index -> scan setting, got {raw_scans!r}"
@@ -422,9 +440,18 @@ class Plan:
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> Plan:
-        """Read a plan written by `Plan.save`."""
+        """Read a plan written by `Plan.save`.
+
+        Raises:
+          OSError: the file cannot be read.
+          ValueError: it is not a valid plan (as `from_json`); the message names the file.
+        """
         with open(path, encoding="utf-8") as f:
-            return cls.from_json(f.read())
+            text = f.read()
+        try:
+            return cls.from_json(text)
+        except ValueError as e:
+            raise ValueError(f"{os.fspath(path)}: {e}") from e
 
     # -- reporting ------------------------------------------------------------------------
     def summary(self, graph: Graph | None = None) -> str:
@@ -588,8 +615,6 @@ class Plan:
 
 def _segment_source(graph: Graph, s: Segment) -> str:
     """The layer a segment starts in and its user source lines, from the graph."""
-    if s.end > graph.num_nodes:
-        return s.source
     first = graph.nodes[s.start]
     scope = f"[{first.name_stack}] " if first.name_stack else ""
     return scope + source_span(n.eqn for n in graph.nodes[s.start : s.end])
@@ -604,6 +629,40 @@ def _is_int(x: Any) -> bool:
     return isinstance(x, numbers.Integral) and not isinstance(x, bool)
 
 
+def _is_number(x: Any) -> bool:
+    return isinstance(x, numbers.Real) and not isinstance(x, bool)
+
+
+#: Plan fields checked by `validate`: name -> (test, accepted form for messages).
+_PLAN_FIELDS: dict[str, tuple[Any, str]] = {
+    "fingerprint": (lambda v: isinstance(v, str), "a string"),
+    "num_nodes": (lambda v: _is_int(v) and v >= 0, "an int >= 0"),
+    "solver": (lambda v: isinstance(v, str), "a string"),
+    "budget_temp_bytes": (lambda v: v is None or _is_int(v), "an int or null"),
+    "predicted_temp_bytes": (_is_int, "an int"),
+    "recompute_flops": (_is_number, "a number"),
+    "measured_temp_bytes": (lambda v: v is None or _is_int(v), "an int or null"),
+    "measured_flops": (lambda v: v is None or _is_number(v), "a number or null"),
+    "baseline_temp_bytes": (lambda v: v is None or _is_int(v), "an int or null"),
+    "notes": (
+        lambda v: isinstance(v, list) and all(isinstance(x, str) for x in v),
+        "a list of strings",
+    ),
+    "offloaded_bytes": (_is_int, "an int"),
+    "segments": (lambda v: isinstance(v, list), "a list of jremat.Segment"),
+}
+
+
+def _check_plan_fields(plan: Plan) -> None:
+    """Raise ValueError naming `Plan.<field>` when a top-level field has the wrong type."""
+    for name, (ok, form) in _PLAN_FIELDS.items():
+        value = getattr(plan, name)
+        if not ok(value):
+            raise ValueError(
+                f"Plan.{name} must be {form}, got {type(value).__name__} {value!r:.80}"
+            )
+
+
 def _check_segment_fields(i: int, s: Any) -> None:
     """Raise ValueError naming `Plan.segments[i]` and the field when a field has the wrong type."""
     where = f"Plan.segments[{i}]"
@@ -613,6 +672,14 @@ def _check_segment_fields(i: int, s: Any) -> None:
         value = getattr(s, name)
         if not _is_int(value):
             raise ValueError(f"{where}.{name} must be an int, got {type(value).__name__} {value!r}")
+    for name in ("stored_bytes", "transient_bytes", "recompute_flops"):
+        value = getattr(s, name)
+        if not _is_number(value):
+            raise ValueError(
+                f"{where}.{name} must be a number, got {type(value).__name__} {value!r}"
+            )
+    if not isinstance(s.source, str):
+        raise ValueError(f"{where}.source must be a string, got {s.source!r}")
     if not isinstance(s.policy, str):
         raise ValueError(
             f"{where}.policy must be a string, got {type(s.policy).__name__} {s.policy!r}"

@@ -7,6 +7,7 @@ docs/design.md#plans-and-the-rewrite and docs/design.md#jax-versions.
 from __future__ import annotations
 
 import functools
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -224,6 +225,16 @@ def run_graph(graph: Graph, plan: Plan, flat_args: Sequence[Any], *, prevent_cse
         edited by hand, or made for another program); the message names the segment and ids.
     """
     check_value_ids(graph, plan)
+    if not prevent_cse and _compat.loop_context(flat_args) == "top":
+        prevent_cse = True  # the program that runs is the one that was verified
+        warnings.warn(
+            "jremat: prevent_cse=False outside a lax.scan/while_loop body would let XLA merge "
+            "the recomputation into the forward pass and keep every activation (the plan was "
+            "verified with prevent_cse=True); running with prevent_cse=True. Pass "
+            "prevent_cse=False only for a function called inside a scan or loop body.",
+            RuntimeWarning,
+            stacklevel=2,
+        )
     env: dict[int, Any] = dict(zip(graph.invars, flat_args, strict=True))
     env.update(graph.consts)
     for seg in plan.segments:
@@ -249,6 +260,75 @@ def run_graph(graph: Graph, plan: Plan, flat_args: Sequence[Any], *, prevent_cse
             run = jax.checkpoint(seg_fn, policy=segment_policy(seg), prevent_cse=prevent_cse)
         env.update(zip(live_out, run(*[env[i] for i in live_in]), strict=True))
     return [x.val if is_literal(x) else env[x] for x in graph.outvars]
+
+
+def _nested_custom_jvp(eqns: Sequence[Any], depth: int = 0) -> bool:
+    """Whether a `custom_jvp_call` sits inside a control-flow body (scan, cond, while...)."""
+    for eqn in eqns:
+        if depth and "custom_jvp" in eqn.primitive.name:
+            return True
+        for v in eqn.params.values():
+            for sub in v if isinstance(v, (tuple, list)) else (v,):
+                inner = getattr(sub, "jaxpr", sub)
+                if hasattr(inner, "eqns") and _nested_custom_jvp(inner.eqns, depth + 1):
+                    return True
+    return False
+
+
+def _smallest_divisor(n: int) -> int:
+    """The smallest k > 1 dividing n (n itself when prime; 1 when n <= 1)."""
+    return next((k for k in range(2, n + 1) if n % k == 0), 1)
+
+
+def check_replayable(graph: Graph, name: str) -> None:
+    """Check the traced program can be differentiated once traced, as jremat runs it.
+
+    A `jax.custom_jvp` whose `nondiff_argnums` receive a traced array inside a loop body
+    closes its JVP rule over a tracer of the first trace; JAX then cannot lower the gradient of the
+    traced program (`jax.grad(jax.jit(fn))` fails the same way) and the error names nothing
+    the user wrote. Probed (abstractly) only when a nested `custom_jvp` exists.
+
+    Raises:
+      TypeError: naming `fn`, the `custom_jvp` and the fix.
+    """
+    if not _nested_custom_jvp([n.eqn for n in graph.nodes]):
+        return
+    avals = [
+        jax.ShapeDtypeStruct(graph.values[i].shape, graph.values[i].dtype) for i in graph.invars
+    ]
+
+    probe = Plan.identity(graph)  # every scan's body replayed from its jaxpr, nested as plans do
+    probe.scans = {
+        str(n.index): ScanSetting(nest=_smallest_divisor(int(n.eqn.params["length"])))
+        for n in graph.nodes
+        if n.primitive == "scan"
+    }
+
+    def replay(*flat: Any) -> Any:
+        return run_graph(graph, probe, list(flat))
+
+    diff = list(graph.diff_invars)
+
+    def step(*flat: Any) -> Any:
+        def of_diff(*d: Any) -> Any:
+            it = iter(d)
+            return replay(*[next(it) if k else x for x, k in zip(flat, diff, strict=True)])
+
+        outs, pullback = jax.vjp(of_diff, *[x for x, k in zip(flat, diff, strict=True) if k])
+        return pullback(outs)
+
+    try:
+        jax.jit(step).lower(*avals)  # the stale tracer fails only when lowered
+    except Exception as e:  # noqa: BLE001 - a probe: other failures surface where they occur
+        if "Tracer" not in f"{type(e).__name__} {e}":
+            return
+        raise TypeError(
+            f"{name} uses a jax.custom_jvp inside a lax.scan (or another loop/cond body) that "
+            "receives a traced array through nondiff_argnums; JAX cannot differentiate such a "
+            "function once traced (jax.grad(jax.jit(fn)) fails the same way), so jremat cannot "
+            "rematerialize it. Pass that array as a regular argument of the custom_jvp (its "
+            f"tangent ignored in the rule) instead of through nondiff_argnums. ({e})"
+        ) from None
 
 
 def check_value_ids(graph: Graph, plan: Plan) -> None:
@@ -287,7 +367,9 @@ def rematerialize(
       fn: the function the plan was made for (positional array/pytree arguments).
       plan: a `jremat.Plan` (from `jremat.plan`, or `Plan.from_json`).
       prevent_cse: passed to `jax.checkpoint`; keep True outside `lax.scan`, or XLA merges the
-        recompute back into the forward pass.
+        recompute back into the forward pass. False is honoured inside a loop body (or where
+        that cannot be told); called at the top level (eagerly or under `jit`/`grad`) it runs
+        with True, as the plan was verified, and warns (`RuntimeWarning`).
 
     Raises:
       TypeError: `plan` is not a `jremat.Plan`.

@@ -315,6 +315,15 @@ def accumulate(
                 f"init; got {type(state).__name__}."
             )
         new_updates, new_state = ms.update(updates, state, params, **extra_args)
+        # optax.MultiSteps resets the accumulator (and masks the updates of mid steps) by
+        # multiplying by 0/1, which keeps a NaN or Inf forever; select instead
+        emitted = new_state.gradient_step != state.gradient_step
+        new_state = new_state._replace(
+            acc_grads=jax.tree.map(
+                lambda a: jnp.where(emitted, jnp.zeros_like(a), a), new_state.acc_grads
+            )
+        )
+        new_updates = jax.tree.map(lambda u: jnp.where(emitted, u, jnp.zeros_like(u)), new_updates)
         if lr_scaling is not None:
             factor = lr_scale_factor(k_of(state.gradient_step), lr_scaling, reference_k)
             new_updates = jax.tree.map(lambda u: (u * factor).astype(u.dtype), new_updates)

@@ -20,6 +20,11 @@ from jremat._src.plan.planners.model import SegmentModel, Segments
 from jremat._src.plan.planners.segments import SAVE_OPTIONS, SegmentTable
 from jremat._src.trace.graph import Graph
 
+#: Branch-and-bound nodes per solve by default: HiGHS proves the segment programs of
+#: jremat's models optimal in far fewer (docs/design.md#planners); the limit bounds the
+#: solve's work on larger ones without a clock.
+DEFAULT_MAX_NODES = 500
+
 #: A heuristic the MILP starts from: (model, budget in model bytes) -> segments or None.
 Incumbent = Callable[[SegmentModel, float], Segments | None]
 
@@ -44,7 +49,13 @@ class MILPPlanner:
     Args:
       graph: a traced program (`jremat.trace`).
       max_cuts: how many cut candidates the segment model considers.
-      time_limit: HiGHS's time limit per solve, in seconds.
+      max_nodes: HiGHS's branch-and-bound node limit per solve (`mip_max_nodes`); None: no
+        limit (solved to optimality, however long); default `DEFAULT_MAX_NODES`, or no limit
+        when `time_limit` is given. A node limit, unlike a time limit, gives
+        the same plan under any machine load: with one thread and a fixed seed the solve is
+        deterministic, so every process of a multi-host job chooses the same plan.
+      time_limit: HiGHS's time limit per solve, in seconds; None (default): none. A finite
+        limit makes the plan depend on the machine's speed and load (only for benchmarks).
       max_span: how many cut intervals one segment may cover (fewer variables).
       incumbents: heuristics tried after the model's DP; the cheapest of their plans (the
         DP's on ties) starts the solve, so the MILP's answer is never worse than theirs.
@@ -62,7 +73,8 @@ class MILPPlanner:
         self,
         graph: Graph,
         max_cuts: int = 32,
-        time_limit: float = 10.0,
+        max_nodes: int | None | str = "default",
+        time_limit: float | None = None,
         max_span: int = 24,
         incumbents: Sequence[Incumbent] = (),
         options=tuple(SAVE_OPTIONS),
@@ -70,6 +82,9 @@ class MILPPlanner:
     ):
         self.model = SegmentModel(graph, max_cuts, options, offload)
         self.offload = offload
+        if max_nodes == "default":  # a caller's time limit alone (benchmarks, tests) decides
+            max_nodes = None if time_limit is not None else DEFAULT_MAX_NODES
+        self.max_nodes = max_nodes
         self.time_limit = time_limit
         self.max_span = max_span
         self.incumbents = tuple(incumbents)
@@ -91,7 +106,8 @@ class MILPPlanner:
 
     def plan(self, model_budget: float) -> Plan | None:
         """The lowest-cost plan (FLOPs, with offload transfers) whose modelled peak is <=
-        `model_budget` bytes that HiGHS finds within `time_limit`, or None."""
+        `model_budget` bytes that HiGHS finds within `max_nodes` nodes, or None. Deterministic:
+        one thread, a fixed random seed and no wall-clock limit (unless `time_limit` is set)."""
         import highspy
         from scipy.sparse import lil_matrix
 
@@ -152,7 +168,12 @@ class MILPPlanner:
         with _quiet_stdout():  # HiGHS prints a banner to fd 1 when constructed
             h = highspy.Highs()
         h.setOptionValue("output_flag", False)
-        h.setOptionValue("time_limit", float(self.time_limit))
+        h.setOptionValue("threads", 1)
+        h.setOptionValue("random_seed", 0)
+        if self.max_nodes is not None:
+            h.setOptionValue("mip_max_nodes", int(self.max_nodes))
+        if self.time_limit is not None and np.isfinite(self.time_limit):
+            h.setOptionValue("time_limit", float(self.time_limit))
         h.passModel(lp)
         start = self._warm_start(edges, model_budget)
         if start is not None:

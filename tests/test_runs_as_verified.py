@@ -1,0 +1,135 @@
+"""The program jremat verifies is the program that runs (issue 14): each test compiles the
+caller's own step and checks *its* temp bytes against the budget."""
+
+from __future__ import annotations
+
+import warnings
+
+import chex
+import jax
+import jax.numpy as jnp
+import pytest
+from models import mlp_chain
+
+import jremat
+
+
+@pytest.fixture(scope="module")
+def chain():
+    m = mlp_chain(depth=4, width=8, batch=256)
+    return m.loss, m.args
+
+
+@pytest.fixture(scope="module")
+def no_cse(chain):
+    """`auto(prevent_cse=False)` on the chain, planned once (with its warning)."""
+    loss, args = chain
+    f = jremat.auto(loss, budget=0.5, prevent_cse=False, solver="chain")
+    with pytest.warns(RuntimeWarning, match="prevent_cse=False outside a lax.scan"):
+        jax.eval_shape(jax.grad(f), *args)
+    return f
+
+
+def temp_bytes(step, *args) -> int:
+    return jax.jit(step).lower(*args).compile().memory_analysis().temp_size_in_bytes
+
+
+def only_plan(f) -> jremat.Plan:
+    (p,) = f.plans.values()
+    return p
+
+
+# -- prevent_cse ------------------------------------------------------------------------------
+def test_prevent_cse_false_at_top_level_runs_the_verified_program(chain, no_cse):
+    """Outside a loop body XLA would merge the recompute into the forward pass (1.00x); jremat
+    runs what it verified (prevent_cse=True) and says so."""
+    loss, args = chain
+    f = no_cse
+    with pytest.warns(RuntimeWarning, match="prevent_cse=False outside a lax.scan"):
+        got = temp_bytes(jax.grad(f), *args)
+        grads = jax.grad(f)(*args)
+    assert got <= only_plan(f).budget_temp_bytes
+    chex.assert_trees_all_close(grads, jax.grad(loss)(*args), rtol=1e-5)
+
+    r = jremat.rematerialize(loss, only_plan(f), prevent_cse=False)
+    with pytest.warns(RuntimeWarning, match="prevent_cse=False"):
+        assert temp_bytes(jax.grad(r), *args) <= only_plan(f).budget_temp_bytes
+
+
+def test_prevent_cse_false_inside_a_scan_body_is_kept(chain, no_cse):
+    loss, (params, x) = chain
+    f = no_cse
+
+    def body(carry, _):
+        g = jax.grad(f)(params, carry)
+        return carry, g[0]["w1"].sum()
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no prevent_cse warning inside the loop body
+        jax.jit(lambda c: jax.lax.scan(body, c, None, length=2)).lower(x).compile()
+
+
+# -- static and non-array arguments through the caller's jit -----------------------------------
+def test_static_string_and_bool_through_the_callers_jit(chain):
+    """`jax.jit(jax.grad(auto(loss)), static_argnums=...)`: a str and a bool arrive concrete
+    and are closed over (planned per value, as jit specializes on them); the caller's compiled
+    step holds the budget."""
+    loss, args = chain
+
+    def moded(params, x, mode, double):
+        out = loss(params, x)
+        out = out * 2.0 if double else out
+        return out if mode == "mse" else out + 1.0
+
+    f = jremat.auto(moded, budget=0.6, solver="chain", max_rounds=1)
+    step = jax.jit(jax.grad(f), static_argnums=(2, 3))
+    want = jax.jit(jax.grad(moded), static_argnums=(2, 3))
+    chex.assert_trees_all_close(step(*args, "mse", True), want(*args, "mse", True), rtol=1e-5)
+    p = only_plan(f)
+    got = step.lower(*args, "mse", True).compile().memory_analysis().temp_size_in_bytes
+    assert got <= p.budget_temp_bytes
+    with pytest.raises(TypeError, match=r"argument 2 of moded is list .* neither an array nor"):
+        jax.grad(f)(*args, ["mse"], True)
+    with pytest.raises(TypeError, match=r"argument 0 of moded \(str 'x'\) is differentiated"):
+        f("x", args[1], "mse", True)
+
+
+# -- degenerate programs ------------------------------------------------------------------------
+@pytest.mark.parametrize("budget", [1.0, 0.5])
+def test_program_without_equations_runs_unchanged(budget):
+    """`lambda x: x` and a jit returning an input trace to no equations: nothing to keep or
+    recompute (compiled temp 0, so any budget holds); the function runs as written."""
+    x, y = jnp.float32(2.0), jnp.ones(3)
+    for fn, args in [(lambda a: a, (x,)), (jax.jit(lambda a, b: a), (x, y))]:
+        f = jremat.auto(fn, budget=budget)
+        chex.assert_trees_all_close(jax.grad(f)(*args), jax.grad(fn)(*args))
+        p = only_plan(f)
+        assert p.is_identity and p.num_nodes == 0 and p.segments == []
+        assert jremat.Plan.from_json(p.to_json()) == p
+
+
+# -- custom_jvp with a traced nondiff argument inside a scan -----------------------------------
+def test_custom_jvp_nondiff_array_in_scan_is_named():
+    import functools
+
+    @functools.partial(jax.custom_jvp, nondiff_argnums=(1,))
+    def scaled(x, s):
+        return jnp.tanh(x) * s
+
+    @scaled.defjvp
+    def _(s, primals, tangents):
+        (x,), (t,) = primals, tangents
+        return scaled(x, s), t * (1 - jnp.tanh(x) ** 2) * s
+
+    def scanned(w, xs):
+        def body(c, x):
+            return scaled(c @ w, jnp.sum(x)), None
+
+        c, _ = jax.lax.scan(body, jnp.ones((4, 8)), xs)
+        return jnp.sum(c**2)
+
+    f = jremat.auto(scanned, budget=0.7)
+    with pytest.raises(
+        TypeError, match=r"scanned uses a jax.custom_jvp inside a lax.scan.*nondiff"
+    ):
+        jax.grad(f)(jnp.eye(8) * 0.5, jnp.ones((6, 3)))
