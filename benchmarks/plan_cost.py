@@ -146,8 +146,14 @@ def _warm(name: str, budgets: list[float], plan_dir: str) -> list[dict]:
             seconds = first_call(wrapped)
         except jremat.InfeasibleBudgetError:
             continue
-        rows.append({"model": name, "budget": b, "warm_ratio": seconds / plain,
-                     "loads": wrapped.plan_cache.loads})
+        rows.append(
+            {
+                "model": name,
+                "budget": b,
+                "warm_ratio": seconds / plain,
+                "loads": wrapped.plan_cache.loads,
+            }
+        )
     return rows
 
 
@@ -211,9 +217,11 @@ def main() -> None:
     for name in models:
         with tempfile.TemporaryDirectory(prefix="jremat-plan-cost-") as plan_dir:
             cold = _child("cold", name, budgets, plan_dir)
-            warm = {} if a.no_warm else {
-                r["budget"]: r for r in _child("warm", name, budgets, plan_dir)
-            }
+            warm = (
+                {}
+                if a.no_warm
+                else {r["budget"]: r for r in _child("warm", name, budgets, plan_dir)}
+            )
         for r in cold:
             if r["budget"] in warm:
                 r["warm_ratio"] = warm[r["budget"]]["warm_ratio"]

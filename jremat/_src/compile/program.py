@@ -158,7 +158,11 @@ class Program:
         memo are those of compiling them one after another in this order, whatever order the
         threads finish in."""
         with self._lock:
-            todo = list({plan_key(p): p for p in plans if plan_key(p) not in self._steps}.values())
+            firsts: dict[str, Plan | None] = {}  # plan key -> its first plan, in order
+            for p in plans:
+                if plan_key(p) not in self._steps:
+                    firsts.setdefault(plan_key(p), p)
+        todo = list(firsts.values())
         workers = min(len(todo), COMPILE_THREADS) if self._threads_ok else 1
         if workers > 1:
             logger.info("compiling %d plans in %d threads", len(todo), workers)

@@ -96,7 +96,7 @@ def auto(
         and jax/jremat versions, and loaded instead of solved when a later run meets the same
         key (the wrapper's `plan_cache`). None (default): `$JREMAT_PLAN_CACHE`, else
         `~/.cache/jremat/plans` (under `$XDG_CACHE_HOME` when set); False, or
-        `JREMAT_PLAN_CACHE=0`: no plans on disk (docs/design.md#plan-cache).
+        `JREMAT_PLAN_CACHE=0`: no plans on disk (docs/design.md#flax-blocks, "The plan cache").
       in_shardings: plain loss functions: the shardings the arguments run under, as in
         `jax.jit` (a `NamedSharding`/`PartitionSpec` for all, or a tuple of pytree prefixes,
         one per argument). Needed when `fn` is called inside `jax.jit` in JAX's default (Auto)

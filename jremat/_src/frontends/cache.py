@@ -1,6 +1,6 @@
 """`PlanCache`: the plans of one `jremat.auto` target, keyed by program signature and budget,
 in memory and on disk (`plan_dir=`, by default `default_plan_dir()`), so that a restarted job
-finds its plans without compiling candidates (docs/design.md#plan-cache).
+finds its plans without compiling candidates (docs/design.md#flax-blocks, "The plan cache").
 
 How a Flax block is planned and what its budget bounds: docs/design.md#flax-blocks.
 """
@@ -11,6 +11,7 @@ import hashlib
 import json
 import logging
 import os
+import sys
 import tempfile
 import threading
 import warnings
@@ -283,6 +284,7 @@ def _versions() -> str:
     """Backend, jax and jremat versions: what a saved plan's compiled figures depend on."""
     import jax
 
-    from jremat import __version__
-
-    return f"{jax.default_backend()} jax {jax.__version__} jremat {__version__}"
+    # the package's own attribute (installed metadata may be stale in an editable install);
+    # read from sys.modules: the root package is not a layer this module may import
+    version = getattr(sys.modules.get("jremat"), "__version__", "unknown")
+    return f"{jax.default_backend()} jax {jax.__version__} jremat {version}"

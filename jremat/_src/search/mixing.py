@@ -103,16 +103,20 @@ def pure_plans(prog: Any) -> list[Plan]:
     return [build([pol] * units) for units, build in _families(prog) for pol in UNIT_POLICIES]
 
 
-def search(prog: Any, target: float, best_flops: float, max_compiles: int = 3) -> list:
+def search(
+    prog: Any, target: float, best_flops: float, max_compiles: int = 3, close_enough: float = 0.03
+) -> list:
     """Compile mixes that may fit `target` temp bytes with fewer FLOPs than `best_flops`.
 
     Returns the (mix, compiled figures) compiled here, from which `solve.solve` takes the
-    cheapest plan that fits (they land in `prog.tried` too). For each family the pure recipes (`UNIT_POLICIES` on every unit) are
-    compiled once per program; a mix is a count of units per policy (at most three policies),
-    predicted by interpolating the pure recipes' compiled temp and FLOPs. The cheapest mix
-    predicted to fit is compiled; when XLA's temp misses the prediction, the target the
-    prediction must meet moves by the miss and the next cheapest is tried, `max_compiles` at
-    most per family. Units take the lower-memory policies first.
+    cheapest plan that fits (they land in `prog.tried` too). For each family the pure
+    recipes (`UNIT_POLICIES` on every unit) are compiled once per program; a mix is a count
+    of units per policy (at most three policies), predicted by interpolating the pure
+    recipes' compiled temp and FLOPs. The cheapest mix predicted to fit is compiled; when
+    XLA's temp misses the prediction, the target the prediction must meet moves by the miss
+    and the next cheapest is tried, `max_compiles` at most per family, and none after one
+    that fits within `close_enough` (a fraction) of the target. Units take the lower-memory
+    policies first.
     """
     out = []
     for units, build in _families(prog):
@@ -139,6 +143,8 @@ def search(prog: Any, target: float, best_flops: float, max_compiles: int = 3) -
             out.append((mix, c))
             if c.temp_bytes <= target:
                 best_flops = min(best_flops, c.flops)
+                if c.temp_bytes >= (1 - close_enough) * target:
+                    break  # a cheaper mix would have to fit the little room left
             # the interpolation missed XLA by (compiled - predicted): aim the next one so that
             # the same miss still fits
             aim = target - (c.temp_bytes - temp)

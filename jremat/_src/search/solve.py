@@ -299,7 +299,7 @@ def solve(
         model_budget = max(nxt, model_min)
     logger.info("solved %d rounds in %.1f s", len(rounds), time.perf_counter() - t0)
     # mixes of the compiled recipes (some layers or scan iterations under each of two)
-    mixes = mixing.search(prog, target, best[0])
+    mixes = mixing.search(prog, target, best[0], close_enough=CLOSE_ENOUGH)
     # only plans of this call count (not those another budget compiled on this program)
     for p, c in [*rounds, *mixes, *floor]:
         if c.temp_bytes <= target and score(p, c) < best[0]:
