@@ -8,6 +8,7 @@ docs/design.md#verification."""
 from __future__ import annotations
 
 import concurrent.futures
+import contextvars
 import copy
 import dataclasses
 import logging
@@ -166,8 +167,12 @@ class Program:
         workers = min(len(todo), COMPILE_THREADS) if self._threads_ok else 1
         if workers > 1:
             logger.info("compiling %d plans in %d threads", len(todo), workers)
+            # each task in a copy of the caller's context: `jremat.disabled()` and other
+            # context variables hold while the plan's function is traced
+            tasks = [(contextvars.copy_context(), p) for p in todo]
+            run = lambda task: task[0].run(self._compile_step, task[1])  # noqa: E731
             with concurrent.futures.ThreadPoolExecutor(workers, "jremat-compile") as pool:
-                for p, step in zip(todo, pool.map(self._compile_step, todo), strict=True):
+                for p, step in zip(todo, pool.map(run, tasks), strict=True):
                     self._store(p, step)  # in `plans` order: deterministic `tried`
         return [self.compile(p) for p in plans]
 
