@@ -170,15 +170,14 @@ def test_a_plan_call_compiles_a_fixed_count_whatever_was_planned_before(compiles
     from jremat._src.search.solve import solve
 
     loss, params, x = _mlp()
-    fresh_prog = Program(loss, (params, x), 0)
-    fresh = solve(fresh_prog, parse_budget(0.5), solver="chain")
-    assert compiles.jremat == fresh_prog.compiles == 8
+    prog = Program(loss, (params, x), 0)
+    fresh = solve(prog, parse_budget(0.5), solver="chain")
+    assert compiles.jremat == prog.compiles == 8
     assert fresh.measured_temp_bytes <= 0.5 * fresh.baseline_temp_bytes
     _only_through_compile_jitted(compiles)
 
-    shared = Program(loss, (params, x), 0)
-    solve(shared, parse_budget(0.7), solver="chain")  # another budget first
-    again = solve(shared, parse_budget(0.5), solver="chain")
+    solve(prog, parse_budget(0.7), solver="chain")  # another budget, on the same Program
+    again = solve(prog, parse_budget(0.5), solver="chain")
     assert plan_key(again) == plan_key(fresh)
     assert (again.measured_temp_bytes, again.measured_flops) == (
         fresh.measured_temp_bytes,

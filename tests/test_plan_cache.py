@@ -299,9 +299,19 @@ def test_an_unreadable_saved_plan_is_ignored_with_a_warning_naming_it(tmp_path):
     assert jremat.Plan.load(path).to_json() == saved.to_json()  # planned again and saved
 
 
+_WARM_MODEL = """
+import jax, jax.numpy as jnp
+ws = [(jnp.full((16, 64), 0.02 * (i + 1)), jnp.full((64, 16), 0.03)) for i in range(3)]
+x = jnp.ones((64, 16))
+def loss(ws, x):
+    for i, (w1, w2) in enumerate(ws):
+        with jax.named_scope(f"layer_{i}"):
+            x = x + jnp.tanh(x @ w1) @ w2
+    return jnp.mean(x ** 2)
+"""
+
 _WARM_RUN = """
-import sys, jax, jax.numpy as jnp
-import jremat
+import jax, jremat
 from jremat._src.compile import xla
 count = {"n": 0}
 real = xla.compile_jitted
@@ -309,26 +319,24 @@ def counted(jitted, args):
     count["n"] += 1
     return real(jitted, args)
 xla.compile_jitted = counted
-ws = [(jnp.full((16, 64), 0.02 * (i + 1)), jnp.full((64, 16), 0.03)) for i in range(3)]
-def loss(ws, x):
-    for i, (w1, w2) in enumerate(ws):
-        with jax.named_scope(f"layer_{i}"):
-            x = x + jnp.tanh(x @ w1) @ w2
-    return jnp.mean(x ** 2)
-f = jremat.auto(loss, budget=0.7, solver="chain")
-value = jax.jit(jax.value_and_grad(f))(ws, jnp.ones((64, 16)))[0]
+try:
+    f = jremat.auto(loss, budget=0.7, solver="chain")
+    value = jax.jit(jax.value_and_grad(f))(ws, x)[0]
+finally:
+    xla.compile_jitted = real
 print(count["n"], f.plan_cache.solves, f.plan_cache.loads, float(value))
 """
 
 
-def test_a_second_process_finds_its_plan_in_the_default_cache(tmp_path, monkeypatch):
+def test_a_second_process_finds_its_plan_in_the_default_cache(tmp_path, monkeypatch, capsys):
     """A restarted job: the plan is read from the default cache; nothing but the running
     program (JAX's own jit, not jremat's compile path) is compiled."""
     monkeypatch.setenv("JREMAT_PLAN_CACHE", str(tmp_path))
-    run = lambda: subprocess.run(  # noqa: E731
-        [sys.executable, "-c", _WARM_RUN], capture_output=True, text=True, check=True
-    ).stdout.split()
-    compiled, solves, loads, value = run()
+    exec(_WARM_MODEL + _WARM_RUN, {})  # the first run, in this process: plans and saves
+    compiled, solves, loads, value = capsys.readouterr().out.split()
     assert int(compiled) > 0 and (solves, loads) == ("1", "0")
     assert len(list(tmp_path.glob("jremat-*.json"))) == 1
-    assert run() == ["0", "0", "1", value]
+    again = subprocess.run(
+        [sys.executable, "-c", _WARM_MODEL + _WARM_RUN], capture_output=True, text=True, check=True
+    )
+    assert again.stdout.split() == ["0", "0", "1", value]
