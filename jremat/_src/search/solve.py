@@ -297,7 +297,9 @@ def solve(
             if (hi - lo) / hi < 0.005:
                 break
         model_budget = max(nxt, model_min)
-    logger.info("solved %d rounds in %.1f s", len(rounds), time.perf_counter() - t0)
+    logger.info(
+        "%d rounds compiled, %.1f s since planning began", len(rounds), time.perf_counter() - t0
+    )
     # mixes of the compiled recipes (some layers or scan iterations under each of two)
     mixes = mixing.search(prog, target, best[0], close_enough=CLOSE_ENOUGH)
     # only plans of this call count (not those another budget compiled on this program)
