@@ -12,6 +12,10 @@ temporary directory: an identical program compiled twice in one session is compi
 state survives the session. The figures the tests assert (temp bytes, FLOPs) are read from the
 same executables either way. Set JREMAT_TESTS_NO_COMPILE_CACHE=1 to compile everything afresh.
 
+`jremat.auto`'s default on-disk plan cache is off for the session (`JREMAT_PLAN_CACHE=0`,
+inherited by the subprocesses tests start): no test passes because of a plan an earlier run
+saved in the user's cache. Tests of the plan cache give it a folder of their own.
+
 The session also compiles with `--xla_backend_optimization_level=0` (as `test_notebook.py`
 does): LLVM's optimisation level changes how fast XLA:CPU builds and runs the kernels, not the
 HLO, buffer assignment or FLOP counts the tests assert (the same temp bytes, FLOPs and plans
@@ -35,6 +39,9 @@ if not os.environ.get("JREMAT_TESTS_FULL_OPT") and "--xla_backend_optimization_l
     os.environ["XLA_FLAGS"] = (
         os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0"
     ).strip()
+
+# set before jremat is imported, and whatever the caller's environment says
+os.environ["JREMAT_PLAN_CACHE"] = "0"
 
 import jax  # noqa: E402
 import pytest  # noqa: E402

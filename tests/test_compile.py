@@ -159,3 +159,27 @@ def test_block_program_uses_program_step(compiles):
     assert prog.compile(plan) == c and compiles.jremat == n  # memoized
     assert [k for _, k in prog.tried] == [c] and c.fixed_bytes == 0
     assert 0 <= c.temp_bytes <= prog.baseline.temp_bytes
+
+
+def test_a_plan_call_compiles_a_fixed_count_whatever_was_planned_before(compiles):
+    """Regression guard on planning cost: one `solve` at 0.5 compiles 8 programs (baseline,
+    reference plans and pure recipes in one parallel batch, then rounds and mixes); and the
+    plan does not depend on budgets planned earlier on the same `Program`."""
+    from jremat._src.base.budget import parse_budget
+    from jremat._src.plan.plan import plan_key
+    from jremat._src.search.solve import solve
+
+    loss, params, x = _mlp()
+    prog = Program(loss, (params, x), 0)
+    fresh = solve(prog, parse_budget(0.5), solver="chain")
+    assert compiles.jremat == prog.compiles == 8
+    assert fresh.measured_temp_bytes <= 0.5 * fresh.baseline_temp_bytes
+    _only_through_compile_jitted(compiles)
+
+    solve(prog, parse_budget(0.7), solver="chain")  # another budget, on the same Program
+    again = solve(prog, parse_budget(0.5), solver="chain")
+    assert plan_key(again) == plan_key(fresh)
+    assert (again.measured_temp_bytes, again.measured_flops) == (
+        fresh.measured_temp_bytes,
+        fresh.measured_flops,
+    )

@@ -268,3 +268,75 @@ def test_cache_validates_its_arguments():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert "plans=0" in repr(PlanCache(0.5))
+
+
+def test_default_plan_dir_follows_the_environment(tmp_path, monkeypatch):
+    from jremat._src.frontends.cache import default_plan_dir
+
+    monkeypatch.setenv("JREMAT_PLAN_CACHE", str(tmp_path / "plans"))
+    assert PlanCache(0.5).plan_dir == tmp_path / "plans"
+    assert PlanCache(0.5, plan_dir=False).plan_dir is None  # off with one setting
+    for off in ("0", "off", "False", ""):
+        monkeypatch.setenv("JREMAT_PLAN_CACHE", off)
+        assert PlanCache(0.5).plan_dir is None
+    monkeypatch.delenv("JREMAT_PLAN_CACHE")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert default_plan_dir() == tmp_path / "xdg" / "jremat" / "plans"
+    with pytest.raises(TypeError, match="plan_dir must be a folder"):
+        jremat.auto(lambda x: x, plan_dir=3)
+
+
+def test_an_unreadable_saved_plan_is_ignored_with_a_warning_naming_it(tmp_path):
+    first = jremat.auto(Block, budget=0.5, verify=False, plan_dir=tmp_path)
+    _trace(first)
+    (path,) = tmp_path.glob("jremat-*.json")
+    path.write_text('{"segments": [')  # a truncated file
+    second = jremat.auto(Block, budget=0.5, verify=False, plan_dir=tmp_path)
+    with pytest.warns(RuntimeWarning, match=f"saved plan {path} cannot be read"):
+        _trace(second)
+    assert second.plan_cache.solves == 1 and second.plan_cache.loads == 0
+    (saved,) = second.plan_cache.plans.values()
+    assert jremat.Plan.load(path).to_json() == saved.to_json()  # planned again and saved
+
+
+_WARM_MODEL = """
+import jax, jax.numpy as jnp
+ws = [(jnp.full((16, 64), 0.02 * (i + 1)), jnp.full((64, 16), 0.03)) for i in range(3)]
+x = jnp.ones((64, 16))
+def loss(ws, x):
+    for i, (w1, w2) in enumerate(ws):
+        with jax.named_scope(f"layer_{i}"):
+            x = x + jnp.tanh(x @ w1) @ w2
+    return jnp.mean(x ** 2)
+"""
+
+_WARM_RUN = """
+import jax, jremat
+from jremat._src.compile import xla
+count = {"n": 0}
+real = xla.compile_jitted
+def counted(jitted, args):
+    count["n"] += 1
+    return real(jitted, args)
+xla.compile_jitted = counted
+try:
+    f = jremat.auto(loss, budget=0.7, solver="chain")
+    value = jax.jit(jax.value_and_grad(f))(ws, x)[0]
+finally:
+    xla.compile_jitted = real
+print(count["n"], f.plan_cache.solves, f.plan_cache.loads, float(value))
+"""
+
+
+def test_a_second_process_finds_its_plan_in_the_default_cache(tmp_path, monkeypatch, capsys):
+    """A restarted job: the plan is read from the default cache; nothing but the running
+    program (JAX's own jit, not jremat's compile path) is compiled."""
+    monkeypatch.setenv("JREMAT_PLAN_CACHE", str(tmp_path))
+    exec(_WARM_MODEL + _WARM_RUN, {})  # the first run, in this process: plans and saves
+    compiled, solves, loads, value = capsys.readouterr().out.split()
+    assert int(compiled) > 0 and (solves, loads) == ("1", "0")
+    assert len(list(tmp_path.glob("jremat-*.json"))) == 1
+    again = subprocess.run(
+        [sys.executable, "-c", _WARM_MODEL + _WARM_RUN], capture_output=True, text=True, check=True
+    )
+    assert again.stdout.split() == ["0", "0", "1", value]

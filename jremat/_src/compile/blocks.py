@@ -178,11 +178,12 @@ class BlockProgram(Program):
         self.block_fn, self.block, self.ct_mask = f, block, list(ct_mask)
         block_plan(copy.deepcopy(Plan.identity(self.graph)), block, self.graph)  # invariant
 
-    def anchors(self, planner) -> list[tuple[Plan, Compiled]]:
+    def anchors(self, planner, also: Sequence[Plan | None] = ()) -> list[tuple[Plan, Compiled]]:
         """The planner's min-memory plan, then the whole block under one checkpoint with each
         policy of `BLOCK_ANCHORS` (`dots_with_no_batch_dims_saveable` only when some matmul
         has batch dimensions, otherwise it equals `dots_saveable`; per-layer recipes inside a
-        block keep more than the whole block and recompute as much, so they are not compiled)."""
+        block keep more than the whole block and recompute as much, so they are not compiled).
+        Compiled in parallel with the plans of `also` (not returned)."""
         if planner.name not in self._anchors:
             policies = list(BLOCK_ANCHORS)
             if not _has_batched_dot(self.block):  # then it saves what dots_saveable saves
@@ -190,7 +191,8 @@ class BlockProgram(Program):
             plans = [planner.min_memory_plan()] + [
                 whole_block_plan(self.graph, self.block.num_nodes, pol) for pol in policies
             ]
-            self._anchors[planner.name] = [(p, self.compile(p)) for p in plans]
+            compiled = self.compile_many([*plans, *also])[: len(plans)]
+            self._anchors[planner.name] = list(zip(plans, compiled, strict=True))
         return [(copy.deepcopy(p), c) for p, c in self._anchors[planner.name]]
 
 

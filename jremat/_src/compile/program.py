@@ -7,8 +7,13 @@ docs/design.md#verification."""
 
 from __future__ import annotations
 
+import concurrent.futures
+import contextvars
 import copy
 import dataclasses
+import logging
+import os
+import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -16,7 +21,7 @@ from typing import Any
 import jax
 
 from jremat._src.base.args import check_differentiable, check_scalar_output, normalize_argnums
-from jremat._src.base.sharding import manual_axes, shard_args
+from jremat._src.base.sharding import arg_mesh, manual_axes, shard_args
 from jremat._src.compile.xla import MemoryFigures, compile_figures
 from jremat._src.plan.offload import OffloadCost, host_offload_effective, offload_proxy, offloads
 from jremat._src.plan.plan import Plan, plan_key
@@ -25,6 +30,8 @@ from jremat._src.plan.recipes import ANCHOR_RECIPES, recipe_plan, scan_configs
 from jremat._src.plan.rewrite import rematerialize
 from jremat._src.trace.graph import Graph, build_graph
 from jremat._src.trace.layers import has_scan, layer_segments
+
+logger = logging.getLogger(__name__)
 
 #: `solver="auto"` uses the exact MILP (`AUTO_MILP_NODES` branch-and-bound nodes per solve,
 #: warm-started with the chain DP's plan)
@@ -36,6 +43,11 @@ AUTO_MILP_MAX_NODES = 120
 #: The node limit of `solver="auto"`'s MILP: a bound on work, not on time, so the plan is
 #: the same on every process and under any load (docs/design.md#planners).
 AUTO_MILP_NODES = 16
+
+#: Threads `Program.compile_many` compiles in: one per CPU (XLA:CPU compiles a program on one
+#: thread mostly; on an accelerator host the compiles are CPU work too). `JREMAT_COMPILE_THREADS`
+#: overrides it (1: compile one after another).
+COMPILE_THREADS = max(1, int(os.environ.get("JREMAT_COMPILE_THREADS", 0)) or os.cpu_count() or 1)
 
 
 @dataclasses.dataclass
@@ -114,6 +126,20 @@ class Program:
         self.tried: list[tuple[Plan, Compiled]] = []  # every plan compiled on this program
         self._anchors: dict = {}
         self.objective = Objective() if objective is None else objective
+        self._lock = threading.RLock()  # `_steps` and `tried`, written by compile threads
+        # JAX's mesh context is per thread: a program that may depend on one is compiled in
+        # the caller's thread only
+        ambient = jax.sharding.get_abstract_mesh()
+        self._threads_ok = (
+            not self.manual_axes
+            and arg_mesh(jax.tree_util.tree_leaves(self.args)) is None
+            and (ambient is None or getattr(ambient, "empty", True))
+        )
+
+    @property
+    def compiles(self) -> int:
+        """How many programs this `Program` compiled (each plan structure once)."""
+        return len(self._steps)
 
     def compile(self, plan: Plan | None) -> Compiled:
         """The objective's figures under `plan` (None: no remat); by default the compiled temp
@@ -126,23 +152,62 @@ class Program:
         function under `plan`, compiled once per plan structure; every compiled plan is also
         listed in `tried`."""
         key = plan_key(plan)
-        if key not in self._steps:
-            f = self.objective.step_fn(self, plan)
-            t0 = time.perf_counter()
-            exe, flops = self.compile_fn(f, scan_flops=self.has_scan)
-            seconds = time.perf_counter() - t0
-            compiled = self.objective.figures(self, MemoryFigures.of(exe), flops)
-            if offloads(plan) and not host_offload_effective():
-                # the offload is a no-op here: device memory from the proxy
-                # (docs/design.md#host-offload); FLOPs and executable stay the offload plan's own
-                proxy = self.compile(offload_proxy(plan))
-                compiled = dataclasses.replace(
-                    compiled, temp_bytes=proxy.temp_bytes, offload_temp_bytes=compiled.temp_bytes
-                )
-            self._steps[key] = (compiled, exe, seconds)
-            if plan is not None and not plan.is_identity:
-                self.tried.append((copy.deepcopy(plan), compiled))
-        return self._steps[key]
+        with self._lock:
+            found = self._steps.get(key)
+        return found if found is not None else self._store(plan, self._compile_step(plan))
+
+    def compile_many(self, plans: Sequence[Plan | None]) -> list[Compiled]:
+        """`compile` of each plan; those not compiled yet are compiled in parallel threads
+        (XLA's compiler releases the GIL; `COMPILE_THREADS` at most). Figures, `tried` and
+        memo are those of compiling them one after another in this order, whatever order the
+        threads finish in."""
+        with self._lock:
+            firsts: dict[str, Plan | None] = {}  # plan key -> its first plan, in order
+            for p in plans:
+                if plan_key(p) not in self._steps:
+                    firsts.setdefault(plan_key(p), p)
+        todo = list(firsts.values())
+        workers = min(len(todo), COMPILE_THREADS) if self._threads_ok else 1
+        if workers > 1:
+            logger.info("compiling %d plans in %d threads", len(todo), workers)
+            # each task in a copy of the caller's context: `jremat.disabled()` and other
+            # context variables hold while the plan's function is traced
+            tasks = [(contextvars.copy_context(), p) for p in todo]
+            run = lambda task: task[0].run(self._compile_step, task[1])  # noqa: E731
+            with concurrent.futures.ThreadPoolExecutor(workers, "jremat-compile") as pool:
+                for p, step in zip(todo, pool.map(run, tasks), strict=True):
+                    self._store(p, step)  # in `plans` order: deterministic `tried`
+        return [self.compile(p) for p in plans]
+
+    def _compile_step(self, plan: Plan | None) -> tuple[Compiled, Any, float]:
+        f = self.objective.step_fn(self, plan)
+        t0 = time.perf_counter()
+        exe, flops = self.compile_fn(f, scan_flops=self.has_scan)
+        seconds = time.perf_counter() - t0
+        compiled = self.objective.figures(self, MemoryFigures.of(exe), flops)
+        if offloads(plan) and not host_offload_effective():
+            # the offload is a no-op here: device memory from the proxy
+            # (docs/design.md#host-offload); FLOPs and executable stay the offload plan's own
+            proxy = self.compile(offload_proxy(plan))
+            compiled = dataclasses.replace(
+                compiled, temp_bytes=proxy.temp_bytes, offload_temp_bytes=compiled.temp_bytes
+            )
+        logger.info(
+            "compiled %s in %.1f s: temp %s bytes",
+            "the unrematerialized program" if plan is None else f"plan {plan.solver!r}",
+            seconds,
+            f"{compiled.temp_bytes:,}",
+        )
+        return compiled, exe, seconds
+
+    def _store(self, plan: Plan | None, step: tuple[Compiled, Any, float]):
+        key = plan_key(plan)
+        with self._lock:
+            if key not in self._steps:
+                self._steps[key] = step
+                if plan is not None and not plan.is_identity:
+                    self.tried.append((copy.deepcopy(plan), step[0]))
+            return self._steps[key]
 
     def compile_fn(self, f: Callable[..., Any], *, scan_flops: bool = True) -> tuple[Any, float]:
         """(executable, FLOPs) of `jit(value_and_grad(f))` at this program's arguments and
@@ -173,10 +238,10 @@ class Program:
             self._planners[key] = PLANNERS[solver](self.graph, max_cuts=max_cuts, **kw)
         return self._planners[key]
 
-    def anchors(self, planner) -> list[tuple[Plan, Compiled]]:
+    def anchors(self, planner, also: Sequence[Plan | None] = ()) -> list[tuple[Plan, Compiled]]:
         """Compiled reference plans, first the planner's min-memory plan, then `ANCHOR_RECIPES`
         (built-in policies per layer, sqrt(n) segments of Chen et al. 2016). Compiled once per
-        program."""
+        program, in parallel (`compile_many`) with the plans of `also` (not returned)."""
         akey = (planner.name, getattr(planner, "offload", None))
         if akey not in self._anchors:
             plans = [planner.min_memory_plan()]
@@ -189,7 +254,8 @@ class Program:
                     plans.append(p)
             unique = {plan_key(p): p for p in reversed(plans)}  # first occurrence wins
             plans = [p for p in plans if unique.get(plan_key(p)) is p]
-            self._anchors[akey] = [(p, self.compile(p)) for p in plans]
+            compiled = self.compile_many([*plans, *also])[: len(plans)]
+            self._anchors[akey] = list(zip(plans, compiled, strict=True))
         return [(copy.deepcopy(p), c) for p, c in self._anchors[akey]]
 
     def record(self, plan: Plan, c: Compiled) -> Plan:

@@ -43,7 +43,7 @@ def auto(
     methods: Any = None,
     variables: Any = True,
     rngs: Any = True,
-    plan_dir: str | os.PathLike | None = None,
+    plan_dir: str | os.PathLike | bool | None = None,
     in_shardings: Any = None,
     mesh: Any = None,
     offload: Any = None,
@@ -99,8 +99,11 @@ def auto(
       variables, rngs: linen: the variable collections and PRNG sequences lifted (as
         `nn.remat`; default all).
       plan_dir: a folder for saved plans: each plan is written there as JSON, keyed by a
-        stable hash of the signature, budget and program fingerprint, and loaded instead of
-        solved when a later run meets the same key (the wrapper's `plan_cache`).
+        stable hash of the signature, shardings, budget, solver, program fingerprint, backend
+        and jax/jremat versions, and loaded instead of solved when a later run meets the same
+        key (the wrapper's `plan_cache`). None (default): `$JREMAT_PLAN_CACHE`, else
+        `~/.cache/jremat/plans` (under `$XDG_CACHE_HOME` when set); False, or
+        `JREMAT_PLAN_CACHE=0`: no plans on disk (docs/design.md#flax-blocks, "The plan cache").
       in_shardings: plain loss functions: the shardings the arguments run under, as in
         `jax.jit` (a `NamedSharding`/`PartitionSpec` for all, or a tuple of pytree prefixes,
         one per argument). Needed when `fn` is called inside `jax.jit` in JAX's default (Auto)

@@ -1,5 +1,6 @@
 """`PlanCache`: the plans of one `jremat.auto` target, keyed by program signature and budget,
-in memory and optionally on disk (`plan_dir=`).
+in memory and on disk (`plan_dir=`, by default `default_plan_dir()`), so that a restarted job
+finds its plans without compiling candidates (docs/design.md#flax-blocks, "The plan cache").
 
 How a Flax block is planned and what its budget bounds: docs/design.md#flax-blocks.
 """
@@ -8,7 +9,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
+import sys
 import tempfile
 import threading
 import warnings
@@ -23,6 +26,44 @@ from jremat._src.plan.plan import Plan
 from jremat._src.search.blocks import plan_block
 from jremat._src.search.solve import check_solver, plan
 from jremat._src.trace.graph import Graph, signature
+
+logger = logging.getLogger(__name__)
+
+#: Environment variable naming the default plan cache folder; "0", "off", "false" or "none"
+#: (any case), or empty, turn the default cache off.
+PLAN_CACHE_ENV = "JREMAT_PLAN_CACHE"
+_OFF = ("", "0", "off", "false", "no", "none")
+
+
+def default_plan_dir() -> Path | None:
+    """The plan cache folder `jremat.auto` uses when `plan_dir` is not given: the value of
+    `$JREMAT_PLAN_CACHE` when set (None when it is "0"/"off"/"false"/"none"/empty: no disk
+    cache), else `$XDG_CACHE_HOME/jremat/plans`, else `~/.cache/jremat/plans`."""
+    env = os.environ.get(PLAN_CACHE_ENV)
+    if env is not None:
+        return None if env.strip().lower() in _OFF else Path(env).expanduser()
+    root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(root) / "jremat" / "plans"
+
+
+def resolve_plan_dir(plan_dir: Any) -> Path | None:
+    """A `plan_dir=` argument as a folder: None (default) -> `default_plan_dir()`; False ->
+    None (no disk cache); a str or os.PathLike -> that folder.
+
+    Raises:
+      TypeError: anything else; the message names `plan_dir` and the accepted forms.
+    """
+    if plan_dir is None:
+        return default_plan_dir()
+    if plan_dir is False:
+        return None
+    if isinstance(plan_dir, (str, os.PathLike)) and not isinstance(plan_dir, bool):
+        return Path(plan_dir).expanduser()
+    raise TypeError(
+        "plan_dir must be a folder (str or os.PathLike), None (the default plan cache, "
+        f"${PLAN_CACHE_ENV} or ~/.cache/jremat/plans) or False (no plan cache on disk); got "
+        f"{type(plan_dir).__name__} {plan_dir!r}"
+    )
 
 
 class PlanCache:
@@ -40,8 +81,12 @@ class PlanCache:
       solver: the planner name, or None for `jremat.plan`'s default.
       verify: compile and check each plan against the budget.
       max_rounds: verification compiles per signature.
-      plan_dir: a folder; when set, each plan is saved there as `jremat-<key>.json`
-        (`Plan.save`) and a later run with the same key loads it instead of solving.
+      plan_dir: a folder: each plan is saved there as `jremat-<key>.json` (`Plan.save`,
+        written atomically) and a later run with the same key loads it instead of solving.
+        None (default): `default_plan_dir()` (`$JREMAT_PLAN_CACHE`, else
+        `~/.cache/jremat/plans` under `$XDG_CACHE_HOME`); False: plans kept in memory only.
+        A saved file that cannot be read, or was made for another program, is ignored with a
+        `RuntimeWarning` naming it, and the plan is solved again and saved over it.
       offload: host offload, as `jremat.plan`'s `offload` (None: never offload).
 
     Attributes:
@@ -52,7 +97,8 @@ class PlanCache:
     Raises:
       ValueError: an invalid budget or solver; `max_rounds` below 1.
       TypeError: `offload` is not None, a bool or a `jremat.OffloadCost`; `verify` is not a
-        bool; `max_rounds` is not an int (a bool included).
+        bool; `max_rounds` is not an int (a bool included); `plan_dir` not a folder, None or
+        False.
     """
 
     def __init__(
@@ -62,7 +108,7 @@ class PlanCache:
         solver: str | None = None,
         verify: bool = True,
         max_rounds: int = 4,
-        plan_dir: str | os.PathLike | None = None,
+        plan_dir: str | os.PathLike | bool | None = None,
         offload: Any = None,
     ):
         self._spec = parse_budget(budget)
@@ -72,7 +118,7 @@ class PlanCache:
         self.solver = solver
         self.verify = check_flag("verify", verify)
         self.max_rounds = check_count("max_rounds", max_rounds)
-        self.plan_dir = Path(plan_dir) if plan_dir is not None else None
+        self.plan_dir = resolve_plan_dir(plan_dir)
         self.plans: dict[str, Plan] = {}
         self.signatures: dict[str, str] = {}
         self.solves = 0
@@ -87,7 +133,8 @@ class PlanCache:
 
     # -- keys -----------------------------------------------------------------------------
     def key(self, graph: Graph, args: Sequence[Any], kind: str = "function") -> tuple[str, str]:
-        """(key, readable signature) of a program; stable across processes."""
+        """(key, readable signature) of a program; stable across processes, different for
+        another backend, jax or jremat version (whose compiled figures may differ)."""
         signed = signature(args)
         sig, shard_key = signed.description, signed.sharding
         payload = json.dumps(
@@ -98,6 +145,7 @@ class PlanCache:
                 "budget": repr(self.budget),
                 "solver": self.solver,
                 "verify": bool(self.verify),
+                "versions": _versions(),
                 **({"offload": repr(self.offload)} if self.offload is not None else {}),
                 **({"sharding": repr(shard_key)} if shard_key else {}),
             },
@@ -181,9 +229,10 @@ class PlanCache:
             return None
         try:
             p = Plan.load(path)  # a ValueError names the file and the field
-        except (OSError, ValueError, UnicodeDecodeError) as e:
+        except (OSError, ValueError, TypeError, KeyError, UnicodeDecodeError) as e:
             warnings.warn(
-                f"jremat: saved plan {path} cannot be read ({e}); solving again and overwriting it",
+                f"jremat: saved plan {path} cannot be read ({type(e).__name__}: {e}); "
+                "solving again and overwriting it",
                 RuntimeWarning,
                 stacklevel=3,
             )
@@ -198,17 +247,29 @@ class PlanCache:
             )
             return None
         self.loads += 1
+        logger.info("loaded the plan from %s (no planning compiles)", path)
         return p
 
     def _save(self, key: str, p: Plan) -> None:
         path = self.path(key)
         if path is None:
             return
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=".jremat-", suffix=".json", dir=path.parent)
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(p.to_json())
-        os.replace(tmp, path)  # atomic: concurrent runs never read a half-written plan
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(prefix=".jremat-", suffix=".json", dir=path.parent)
+            try:
+                with os.fdopen(fd, "w", encoding="utf-8") as f:
+                    f.write(p.to_json())
+                os.replace(tmp, path)  # atomic: concurrent runs never read a half-written plan
+            except BaseException:
+                os.unlink(tmp)
+                raise
+        except OSError as e:  # a read-only or full disk: the plan is still used, not saved
+            warnings.warn(
+                f"jremat: cannot save the plan to {path} ({e}); it is used but not saved",
+                RuntimeWarning,
+                stacklevel=3,
+            )
 
 
 def _jsonable(x: Any) -> Any:
@@ -217,3 +278,13 @@ def _jsonable(x: Any) -> Any:
         return x
     except TypeError:
         return repr(x)
+
+
+def _versions() -> str:
+    """Backend, jax and jremat versions: what a saved plan's compiled figures depend on."""
+    import jax
+
+    # the package's own attribute (installed metadata may be stale in an editable install);
+    # read from sys.modules: the root package is not a layer this module may import
+    version = getattr(sys.modules.get("jremat"), "__version__", "unknown")
+    return f"{jax.default_backend()} jax {jax.__version__} jremat {version}"

@@ -49,7 +49,7 @@ class AutoOptions:
     methods: Any = None
     variables: Any = True
     rngs: Any = True
-    plan_dir: str | os.PathLike | None = None
+    plan_dir: str | os.PathLike | bool | None = None
     in_shardings: Any = None
     mesh: Any = None
     offload: Any = None

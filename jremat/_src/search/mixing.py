@@ -97,22 +97,31 @@ def _cheapest(points, units: int, target: float, best_flops: float, skip: set):
     return best
 
 
-def search(prog: Any, target: float, best_flops: float, max_compiles: int = 3) -> None:
+def pure_plans(prog: Any) -> list[Plan]:
+    """The pure recipes `search` interpolates (`UNIT_POLICIES` on every unit of each family),
+    so that a caller can compile them ahead, together with other plans."""
+    return [build([pol] * units) for units, build in _families(prog) for pol in UNIT_POLICIES]
+
+
+def search(
+    prog: Any, target: float, best_flops: float, max_compiles: int = 3, close_enough: float = 0.03
+) -> list:
     """Compile mixes that may fit `target` temp bytes with fewer FLOPs than `best_flops`.
 
-    Every compiled mix lands in `prog.tried`, from which `solve.solve` takes the cheapest
-    plan that fits. For each family the pure recipes (`UNIT_POLICIES` on every unit) are
-    compiled once per program; a mix is a count of units per policy (at most three policies),
-    predicted by interpolating the pure recipes' compiled temp and FLOPs. The cheapest mix
-    predicted to fit is compiled; when XLA's temp misses the prediction, the target the
-    prediction must meet moves by the miss and the next cheapest is tried, `max_compiles` at
-    most per family. Units take the lower-memory policies first.
+    Returns the (mix, compiled figures) compiled here, from which `solve.solve` takes the
+    cheapest plan that fits (they land in `prog.tried` too). For each family the pure
+    recipes (`UNIT_POLICIES` on every unit) are compiled once per program; a mix is a count
+    of units per policy (at most three policies), predicted by interpolating the pure
+    recipes' compiled temp and FLOPs. The cheapest mix predicted to fit is compiled; when
+    XLA's temp misses the prediction, the target the prediction must meet moves by the miss
+    and the next cheapest is tried, `max_compiles` at most per family, and none after one
+    that fits within `close_enough` (a fraction) of the target. Units take the lower-memory
+    policies first.
     """
+    out = []
     for units, build in _families(prog):
-        points = []
-        for pol in UNIT_POLICIES:
-            c = prog.compile(build([pol] * units))
-            points.append((c.temp_bytes, c.flops))
+        pure = prog.compile_many([build([pol] * units) for pol in UNIT_POLICIES])
+        points = [(c.temp_bytes, c.flops) for c in pure]
         aim, seen = target, set()
         for _ in range(max_compiles):
             found = _cheapest(points, units, aim, best_flops, seen)
@@ -131,8 +140,12 @@ def search(prog: Any, target: float, best_flops: float, max_compiles: int = 3) -
                 + f" of {units} units"
             )
             c = prog.compile(mix)
+            out.append((mix, c))
             if c.temp_bytes <= target:
                 best_flops = min(best_flops, c.flops)
+                if c.temp_bytes >= (1 - close_enough) * target:
+                    break  # a cheaper mix would have to fit the little room left
             # the interpolation missed XLA by (compiled - predicted): aim the next one so that
             # the same miss still fits
             aim = target - (c.temp_bytes - temp)
+    return out

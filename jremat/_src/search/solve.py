@@ -8,7 +8,9 @@ docs/design.md#verification.
 from __future__ import annotations
 
 import copy
+import logging
 import math
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -24,7 +26,13 @@ from jremat._src.plan.plan import Plan, plan_key
 from jremat._src.search import mixing, refine
 from jremat._src.trace.graph import Graph
 
+logger = logging.getLogger(__name__)
+
 SOLVERS = ("auto", "chain", "greedy", "dtr", "milp")
+
+#: A round's plan that fits and whose compiled temp bytes are within this fraction of the
+#: target ends the rounds: closer plans save little recompute for another compile each.
+CLOSE_ENOUGH = 0.03
 
 
 def check_solver(solver: Any, *, none_ok: bool = False) -> None:
@@ -126,7 +134,15 @@ def plan(
     verify = check_flag("verify", verify)
     max_rounds = check_count("max_rounds", max_rounds)
     max_cuts = check_count("max_cuts", max_cuts)
+    t0 = time.perf_counter()
     prog = Program(fn, args, argnums, in_shardings=in_shardings, mesh=mesh, graph=graph)
+    logger.info(
+        "%s %s: %d equations in %.1f s",
+        "traced" if graph is None else "checked the traced",
+        getattr(fn, "__name__", "fn"),
+        prog.graph.num_nodes,
+        time.perf_counter() - t0,
+    )
     return solve(
         prog,
         spec,
@@ -158,6 +174,13 @@ def solve(
             return c.flops
         return math.inf if offload is None else c.flops + offload.transfer_flops(p.offloaded_bytes)
 
+    t0 = time.perf_counter()
+    planner = None
+    if verify and spec.fraction is not None and spec.fraction < 1:
+        # the target is below the unrematerialized program whatever its temp bytes: compile
+        # it together with the reference plans (parallel threads), not before them
+        planner = prog.planner(solver, max_cuts, offload)
+        prog.anchors(planner, also=[None, *mixing.pure_plans(prog)])
     base = prog.baseline
     target = spec.temp_bytes(base.temp_bytes, base.fixed_bytes)
     meta = dict(budget=spec.raw, budget_temp_bytes=int(target) if target > 0 else 0)
@@ -165,7 +188,7 @@ def solve(
         p = Plan.identity(prog.graph, **meta)
         p.predicted_temp_bytes = base.temp_bytes
         return prog.record(p.annotate(prog.graph), base)
-    planner = prog.planner(solver, max_cuts, offload)
+    planner = planner or prog.planner(solver, max_cuts, offload)
     min_plan = planner.min_memory_plan()
     model_min, model_none = min_plan.predicted_temp_bytes, planner.no_remat_peak()
     if not verify:
@@ -177,11 +200,18 @@ def solve(
         )
         chosen.notes.append("verify=False: chosen by the cost model, scaled to the baseline")
         return _finish(chosen, meta, solver, prog.graph)
-    anchors = prog.anchors(planner)  # compiled: DP min-memory plan, per-layer and sqrt(n) remat
+    # compiled: DP min-memory plan, per-layer and sqrt(n) remat (and the pure recipes the
+    # mixes interpolate, in the same parallel batch)
+    anchors = prog.anchors(planner, also=mixing.pure_plans(prog))
+    logger.info(
+        "baseline and %d reference plans compiled in %.1f s", len(anchors), time.perf_counter() - t0
+    )
     fitting = [(score(p, c), p, c) for p, c in anchors if c.temp_bytes <= target]
     min_c = anchors[0][1]
-    # fit the cost model's per-option scales to every program compiled so far
-    samples = [(p, c.temp_bytes) for p, c in [*anchors, *prog.tried]]
+    # Fit the cost model's per-option scales to the reference plans: the same programs
+    # whatever budget this program was planned for before, so that the plan is a function of
+    # (program, budget, solver) only.
+    samples = [(p, c.temp_bytes) for p, c in anchors]
     log: list[str] = []
     calibrated = planner.model.calibrate([*samples, (Plan.identity(prog.graph), base.temp_bytes)])
     if calibrated:
@@ -216,6 +246,7 @@ def solve(
     # budgets. They do not depend on the target, so the smallest budget an
     # InfeasibleBudgetError states (anchors and these) is found again when asked for.
     floor: list[tuple[Plan, Compiled]] = []
+    rounds: list[tuple[Plan, Compiled]] = []
 
     def add_floor(candidate: Plan | None, label: str) -> None:
         nonlocal best
@@ -239,6 +270,7 @@ def solve(
         if candidate is not None and plan_key(candidate) not in seen:
             seen.add(plan_key(candidate))
             c = prog.compile(candidate)
+            rounds.append((candidate, c))
             ok = c.temp_bytes <= target
             log.append(
                 f"round {round_}: model budget {model_budget:,.0f} -> compiled temp "
@@ -251,6 +283,8 @@ def solve(
             else:
                 hi = min(hi, model_budget)
             ratio = target / max(c.temp_bytes, 1)
+            if ok and c.temp_bytes >= (1 - CLOSE_ENOUGH) * target:
+                break
         else:
             ratio = 1.05  # same plan as before: probe further out
             if candidate is None:
@@ -263,10 +297,13 @@ def solve(
             if (hi - lo) / hi < 0.005:
                 break
         model_budget = max(nxt, model_min)
+    logger.info(
+        "%d rounds compiled, %.1f s since planning began", len(rounds), time.perf_counter() - t0
+    )
     # mixes of the compiled recipes (some layers or scan iterations under each of two)
-    mixing.search(prog, target, best[0])
-    # a plan compiled for another budget on this program may fit this one more cheaply
-    for p, c in prog.tried:
+    mixes = mixing.search(prog, target, best[0], close_enough=CLOSE_ENOUGH)
+    # only plans of this call count (not those another budget compiled on this program)
+    for p, c in [*rounds, *mixes, *floor]:
         if c.temp_bytes <= target and score(p, c) < best[0]:
             best = (score(p, c), copy.deepcopy(p), c)
     if best[1] is None:
@@ -280,6 +317,11 @@ def solve(
         for candidate in refine.candidates(prog.graph, planner, lowest[0]) if lowest else []:
             add_floor(candidate, "peak segment split")
     _, chosen, c = best
+    logger.info(
+        "planned in %.1f s, %d programs compiled on this program so far",
+        time.perf_counter() - t0,
+        prog.compiles,
+    )
     if chosen is None:
         # what a new plan() call at the stated budget compiles again (not the target-driven
         # rounds and mixes, which a larger target steers elsewhere)

@@ -1,0 +1,245 @@
+"""What planning costs: compiles, seconds, and `auto`'s first call against the plain step's.
+
+    python benchmarks/plan_cost.py              # short default run (a few minutes)
+    python benchmarks/plan_cost.py --full       # every zoo model and decoder depth
+    python benchmarks/plan_cost.py --json F     # also write the rows as JSON lines to F
+
+Per cell (a model at a budget) in a fresh process per model:
+
+* `compiles`: calls of `xla.compile_jitted` during `auto`'s first call (the running program's
+  own compile is JAX's, outside it, and not counted);
+* `compile s` / `other s`: wall seconds while at least one of those compiles ran (parallel
+  compiles counted once) / the rest of auto's first call;
+* `ratio`: `auto`'s first call (`jit(value_and_grad(jremat.auto(loss)))`: trace, plan, verify,
+  and the compile and first run of what runs) over the plain `jit(value_and_grad(loss))`
+  first call (compile and first run), measured first in the same process;
+* `warm`: the same ratio in a new process whose plan cache (`plan_dir=`) holds the plan;
+* `extra FLOPs`: the plan's compiled FLOPs (`Plan.measured_flops`) over the unrematerialized
+  program's (`jremat.measure`), minus 1; `fits`: its compiled temp bytes
+  (`Plan.measured_temp_bytes`) meet the budget.
+
+Ratios are reported because the machine may be loaded by other work: both calls of a ratio
+run in one process, minutes apart at most. Runs against another checkout with
+`PYTHONPATH=/path/to/checkout python benchmarks/plan_cost.py`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+BUDGETS = (0.3, 0.5, 0.7)
+DEFAULT_MODELS = ("mlp", "gpt2:6", "scan:6")
+FULL_MODELS = (
+    "mlp",
+    "gpt2:6",
+    "gpt2:12",
+    "gpt2:24",
+    "gpt2:48",
+    "scan:6",
+    "scan:12",
+    "scan:24",
+    "scan:48",
+    "unet",
+    "vit",
+    "resnet",
+)
+
+
+def workload(name: str):
+    """(loss, params, batch) of a benchmark model name: a zoo model ("mlp", "vit", ...), an
+    unrolled GPT-2 decoder "gpt2:<layers>" or a scanned one "scan:<layers>"."""
+    import jremat.models
+
+    kind, _, depth = name.partition(":")
+    if kind == "scan":
+        sys.path.insert(0, HERE)
+        from run import scanned_decoder
+
+        return scanned_decoder(depth=int(depth))
+    kw = {"n_layer": int(depth)} if depth else {}
+    w = jremat.models.get(kind, **kw)
+    return w.loss, w.params, w.batch
+
+
+def _cell(name: str, budgets: list[float], plan_dir: str) -> list[dict]:
+    """Measure one model in this process: the plain step, then auto at each budget."""
+    import jax
+
+    import jremat
+    from jremat._src.compile import xla
+
+    loss, params, batch = workload(name)
+    spans: list[tuple[float, float]] = []  # (start, end) of each compile, from any thread
+    real = xla.compile_jitted
+
+    def counted(jitted, args):
+        t0 = time.perf_counter()
+        try:
+            return real(jitted, args)
+        finally:
+            spans.append((t0, time.perf_counter()))
+
+    def wall(intervals) -> float:
+        """Seconds during which at least one compile ran (parallel compiles counted once)."""
+        total, end = 0.0, -math.inf
+        for a, b in sorted(intervals):
+            total += max(0.0, b - max(a, end))
+            end = max(end, b)
+        return total
+
+    xla.compile_jitted = counted
+
+    def first_call(f) -> float:
+        t0 = time.perf_counter()
+        jax.block_until_ready(jax.jit(jax.value_and_grad(f))(params, batch))
+        return time.perf_counter() - t0
+
+    plain = first_call(loss)
+    base = jremat.measure(loss, params, batch)
+    rows = []
+    for b in budgets:
+        spans.clear()
+        wrapped = jremat.auto(loss, budget=b, plan_dir=os.path.join(plan_dir, str(b)))
+        try:
+            seconds = first_call(wrapped)
+        except jremat.InfeasibleBudgetError as e:
+            rows.append({"model": name, "budget": b, "infeasible": str(e)[:80]})
+            continue
+        (p,) = wrapped.plans.values()
+        rows.append(
+            {
+                "model": name,
+                "budget": b,
+                "compiles": len(spans),
+                "compile_s": wall(spans),
+                "other_s": seconds - wall(spans),
+                "auto_s": seconds,
+                "plain_s": plain,
+                "ratio": seconds / plain,
+                "extra_flops": (p.measured_flops or base.flops) / base.flops - 1,
+                "fits": (p.measured_temp_bytes or 0) <= b * base.temp_bytes,
+                "solver": p.solver,
+            }
+        )
+    return rows
+
+
+def _warm(name: str, budgets: list[float], plan_dir: str) -> list[dict]:
+    """A new process with the plans on disk: auto's first call over the plain step's."""
+    import jax
+
+    import jremat
+
+    loss, params, batch = workload(name)
+
+    def first_call(f) -> float:
+        t0 = time.perf_counter()
+        jax.block_until_ready(jax.jit(jax.value_and_grad(f))(params, batch))
+        return time.perf_counter() - t0
+
+    plain = first_call(loss)
+    rows = []
+    for b in budgets:
+        wrapped = jremat.auto(loss, budget=b, plan_dir=os.path.join(plan_dir, str(b)))
+        try:
+            seconds = first_call(wrapped)
+        except jremat.InfeasibleBudgetError:
+            continue
+        rows.append(
+            {
+                "model": name,
+                "budget": b,
+                "warm_ratio": seconds / plain,
+                "loads": wrapped.plan_cache.loads,
+            }
+        )
+    return rows
+
+
+def _child(mode: str, name: str, budgets: list[float], plan_dir: str) -> list[dict]:
+    out = subprocess.run(
+        [sys.executable, __file__, "--child", mode, name, ",".join(map(str, budgets)), plan_dir],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    if out.returncode:
+        print(out.stderr[-3000:], file=sys.stderr)
+        return []
+    return [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
+
+
+def table(rows: list[dict]) -> str:
+    lines = [
+        "| model | budget | compiles | compile s | other s | ratio | warm ratio | extra FLOPs "
+        "| fits |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        if "infeasible" in r:
+            lines.append(f"| {r['model']} | {r['budget']} | infeasible | | | | | | |")
+            continue
+        warm = f"{r['warm_ratio']:.2f}" if "warm_ratio" in r else "-"
+        lines.append(
+            f"| {r['model']} | {r['budget']} | {r['compiles']} | {r['compile_s']:.1f} | "
+            f"{r['other_s']:.1f} | {r['ratio']:.1f} | {warm} | {100 * r['extra_flops']:.1f}% "
+            f"| {'yes' if r['fits'] else 'NO'} |"
+        )
+    ratios = [r["ratio"] for r in rows if "ratio" in r]
+    warms = [r["warm_ratio"] for r in rows if "warm_ratio" in r]
+    if ratios:
+        gm = math.exp(sum(map(math.log, ratios)) / len(ratios))
+        lines.append(f"\ngeometric mean of auto's first call / plain first call: {gm:.2f}")
+    if warms:
+        gm = math.exp(sum(map(math.log, warms)) / len(warms))
+        lines.append(f"geometric mean with a warm plan cache (new process): {gm:.2f}")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    if len(sys.argv) > 1 and sys.argv[1] == "--child":
+        mode, name, budgets, plan_dir = sys.argv[2:6]
+        fn = _cell if mode == "cold" else _warm
+        for row in fn(name, [float(b) for b in budgets.split(",")], plan_dir):
+            print(json.dumps(row))
+        return
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--full", action="store_true", help="every zoo model and decoder depth")
+    ap.add_argument("--models", help="comma-separated model names (overrides the preset)")
+    ap.add_argument("--budgets", default=",".join(map(str, BUDGETS)))
+    ap.add_argument("--json", help="also write the rows as JSON lines to this file")
+    ap.add_argument("--no-warm", action="store_true", help="skip the warm plan cache runs")
+    a = ap.parse_args()
+    models = a.models.split(",") if a.models else (FULL_MODELS if a.full else DEFAULT_MODELS)
+    budgets = [float(b) for b in a.budgets.split(",")]
+    rows: list[dict] = []
+    for name in models:
+        with tempfile.TemporaryDirectory(prefix="jremat-plan-cost-") as plan_dir:
+            cold = _child("cold", name, budgets, plan_dir)
+            warm = (
+                {}
+                if a.no_warm
+                else {r["budget"]: r for r in _child("warm", name, budgets, plan_dir)}
+            )
+        for r in cold:
+            if r["budget"] in warm:
+                r["warm_ratio"] = warm[r["budget"]]["warm_ratio"]
+            rows.append(r)
+            print(json.dumps(r), flush=True)
+    print(table(rows))
+    if a.json:
+        with open(a.json, "w") as f:
+            f.writelines(json.dumps(r) + "\n" for r in rows)
+
+
+if __name__ == "__main__":
+    main()
