@@ -1,5 +1,6 @@
-"""A program's layers from its name stack (`h/3`, `layers_4`, `Block_2`), the bytes crossing
-each cut position, and the cut candidates the planners consider
+"""A program's layers from its name stack (`h/3`, `layers_4`, `Block_2`) or, without names,
+from its calls and repeated blocks; the bytes crossing each cut position, and the cut
+candidates the planners consider
 (docs/design.md#tracing-and-the-cost-model)."""
 
 from __future__ import annotations
@@ -32,7 +33,27 @@ def crossing_bytes(graph: Graph) -> np.ndarray:
 
 
 def layer_keys(graph: Graph) -> list[str | None]:
-    """Per node, the layer it belongs to, from the name stack (`.../h/3`, `.../Block_2`)."""
+    """Per node, the layer it belongs to (None: glue between layers).
+
+    Layers come from the first source that splits the program into at least two of them:
+    the name stack (`.../h/3`, `.../Block_2`: named scopes, Flax module paths); else the
+    user's own functions, from the call structure JAX records (`call_keys`) or from the same
+    sequence of primitives run again (`repeat_keys`), whichever covers more FLOPs. So a
+    program without names still has its blocks as layers: per-layer recipes then include
+    "checkpoint each call of the user's block" (docs/design.md#layers-without-names).
+    """
+    if "layer_keys" not in graph.memo:
+        keys = name_keys(graph)
+        if len(_spans(keys)) < 2:
+            found = [k for k in (call_keys(graph), repeat_keys(graph)) if len(_spans(k)) >= 2]
+            if found:
+                keys = max(found, key=lambda k: _covered_flops(graph, k))  # first on ties
+        graph.memo["layer_keys"] = keys
+    return list(graph.memo["layer_keys"])
+
+
+def name_keys(graph: Graph) -> list[str | None]:
+    """Per node, the layer named in its name stack (`.../h/3`, `.../Block_2`), or None."""
     keys: list[str | None] = []
     for node in graph.nodes:
         parts = node.name_stack.split("/") if node.name_stack else []
@@ -45,13 +66,104 @@ def layer_keys(graph: Graph) -> list[str | None]:
     return keys
 
 
-def layer_spans(graph: Graph) -> list[tuple[int, int]]:
-    """Contiguous `[start, end)` node ranges of the model's layers, found from name stacks.
+def call_keys(graph: Graph) -> list[str | None]:
+    """Per node, the call (`jit`-decorated function, `closed_call`) it was inlined from, as
+    `name@position` paths (`Node.calls`), or None for nodes outside every call.
 
-    Nodes between layers (embeddings, heads, unnamed glue) belong to no span. Empty when the
-    program carries no layer names.
+    Calls nest (a jitted block calls the jitted `jax.nn.silu`; a jitted loss holds every
+    block): of the call depths that split the program into two calls or more, the one whose
+    calls cover the most FLOPs, the shallowest on ties. A call without a contraction
+    (`jax.image.resize`, `jax.nn.silu` alone) is glue, not a layer. Plain Python functions
+    leave no call in the jaxpr: `repeat_keys` finds those.
     """
-    keys = layer_keys(graph)
+    depth = max((len(n.calls) for n in graph.nodes), default=0)
+    best: tuple[float, list[str | None]] = (-1.0, [None] * graph.num_nodes)
+    for d in range(1, depth + 1):
+        keys = ["/".join(n.calls[:d]) if len(n.calls) >= d else None for n in graph.nodes]
+        heavy = {k for k, n in zip(keys, graph.nodes, strict=True) if n.primitive in CONTRACTIONS}
+        keys = [k if k in heavy else None for k in keys]
+        if len(_spans(keys)) >= 2 and _covered_flops(graph, keys) > best[0]:
+            best = (_covered_flops(graph, keys), keys)
+    return best[1]
+
+
+#: Primitives that make a repeated sequence a block worth a layer (it holds real compute).
+CONTRACTIONS = frozenset({"dot_general", "conv_general_dilated"})
+
+
+def repeat_keys(
+    graph: Graph, max_length: int = 96, max_patterns: int = 4
+) -> list[str | None]:
+    """Per node, the occurrence of a repeated subgraph it belongs to (`repeat@<start>`), or
+    None: the user's blocks when they are plain Python functions, which leave no trace in
+    the jaxpr but the same equations run again.
+
+    Nodes read as tokens (primitive, rank of the first output), so a block called at other
+    shapes (a U-Net's levels) still repeats. A pattern is a token sequence of length 2 to
+    `max_length` holding a contraction that occurs at least twice without overlap; the one
+    covering the most FLOPs wins (ties: the shorter, then the one whose occurrences start
+    where fewer bytes cross). Up to `max_patterns` patterns are taken, each on nodes the
+    previous ones left.
+    """
+    n = graph.num_nodes
+    keys: list[str | None] = [None] * n
+    if n < 4:
+        return keys
+    vocab: dict[tuple[str, int], int] = {}
+    tokens = np.array(
+        [
+            vocab.setdefault(
+                (nd.primitive, len(graph.values[nd.outputs[0]].shape) if nd.outputs else -1),
+                len(vocab),
+            )
+            for nd in graph.nodes
+        ],
+        dtype=np.int64,
+    )
+    heavy = np.concatenate(
+        [[0], np.cumsum([nd.primitive in CONTRACTIONS for nd in graph.nodes])]
+    )
+    flops = np.concatenate([[0.0], np.cumsum([nd.flops for nd in graph.nodes])])
+    cross = crossing_bytes(graph)
+    taken = np.zeros(n + 1, dtype=np.int64)  # prefix count of nodes already in a pattern
+    for _ in range(max_patterns):
+        best: tuple | None = None
+        for length in range(2, min(max_length, n // 2) + 1):
+            starts = np.arange(n - length + 1)
+            ok = (heavy[starts + length] > heavy[starts]) & (taken[starts + length] == taken[starts])
+            if ok.sum() < 2:
+                continue
+            windows = np.lib.stride_tricks.sliding_window_view(tokens, length)[ok]
+            starts = starts[ok]
+            _, inverse, counts = np.unique(
+                windows, axis=0, return_inverse=True, return_counts=True
+            )
+            inverse = inverse.reshape(-1)
+            order = np.argsort(inverse, kind="stable")
+            bounds = np.concatenate([[0], np.cumsum(counts)])
+            for g in np.nonzero(counts >= 2)[0]:
+                chosen: list[int] = []
+                for s in starts[order[bounds[g] : bounds[g + 1]]]:
+                    if not chosen or s >= chosen[-1] + length:
+                        chosen.append(int(s))
+                if len(chosen) < 2:
+                    continue
+                covered = float(sum(flops[s + length] - flops[s] for s in chosen))
+                score = (covered, -length, -float(sum(cross[s] for s in chosen)))
+                if best is None or score > best[0]:
+                    best = (score, length, chosen)
+        if best is None:
+            break
+        _, length, chosen = best
+        for s in chosen:
+            keys[s : s + length] = [f"repeat@{s}"] * length
+        taken = np.concatenate([[0], np.cumsum([k is not None for k in keys])])
+    return keys
+
+
+def _spans(keys: list[str | None]) -> list[tuple[int, int]]:
+    """Contiguous `[start, end)` runs of equal non-None keys; a key that resumes after other
+    nodes (glue inside a layer) extends its run."""
     spans: list[tuple[int, int]] = []
     seen: dict[str, int] = {}
     for i, k in enumerate(keys):
@@ -72,6 +184,19 @@ def layer_spans(graph: Graph) -> list[tuple[int, int]]:
         else:
             merged.append(s)
     return merged
+
+
+def _covered_flops(graph: Graph, keys: list[str | None]) -> float:
+    return float(sum(n.flops for n, k in zip(graph.nodes, keys, strict=True) if k is not None))
+
+
+def layer_spans(graph: Graph) -> list[tuple[int, int]]:
+    """Contiguous `[start, end)` node ranges of the model's layers (`layer_keys`).
+
+    Nodes between layers (embeddings, heads, unnamed glue) belong to no span. Empty when no
+    layers are found (no names, calls or repeated blocks).
+    """
+    return _spans(layer_keys(graph))
 
 
 def candidate_cuts(graph: Graph, max_cuts: int = 160) -> list[int]:
