@@ -43,13 +43,25 @@ def layer_keys(graph: Graph) -> list[str | None]:
     "checkpoint each call of the user's block" (docs/design.md#layers-without-names).
     """
     if "layer_keys" not in graph.memo:
-        keys = name_keys(graph)
+        keys, source = name_keys(graph), "names"
         if len(_spans(keys)) < 2:
-            found = [k for k in (call_keys(graph), repeat_keys(graph)) if len(_spans(k)) >= 2]
-            if found:
-                keys = max(found, key=lambda k: _covered_flops(graph, k))  # first on ties
-        graph.memo["layer_keys"] = keys
+            found = [
+                (k, src)
+                for k, src in ((call_keys(graph), "calls"), (repeat_keys(graph), "repeats"))
+                if len(_spans(k)) >= 2
+            ]
+            keys, source = [None] * graph.num_nodes, None
+            if found:  # the first on ties
+                keys, source = max(found, key=lambda ks: _covered_flops(graph, ks[0]))
+        graph.memo["layer_keys"], graph.memo["layer_source"] = keys, source
     return list(graph.memo["layer_keys"])
+
+
+def layer_source(graph: Graph) -> str | None:
+    """Where `layer_keys` found the layers: "names", "calls", "repeats", or None (none)."""
+    if len(layer_spans(graph)) < 2:
+        return None
+    return graph.memo["layer_source"]
 
 
 def name_keys(graph: Graph) -> list[str | None]:
@@ -199,8 +211,9 @@ def layer_spans(graph: Graph) -> list[tuple[int, int]]:
     return _spans(layer_keys(graph))
 
 
-def candidate_cuts(graph: Graph, max_cuts: int = 160) -> list[int]:
-    """Cut positions the planners consider: layer boundaries plus low-crossing positions.
+def candidate_cuts(graph: Graph, max_cuts: int = 160, layers: bool = True) -> list[int]:
+    """Cut positions the planners consider: layer boundaries (unless `layers` is False) plus
+    low-crossing positions.
 
     Always includes 0 and `num_nodes`. Positions are local minima of `crossing_bytes`; when
     there are more than `max_cuts`, the cheapest in each of `max_cuts` equal windows are kept.
@@ -208,7 +221,7 @@ def candidate_cuts(graph: Graph, max_cuts: int = 160) -> list[int]:
     n = graph.num_nodes
     cross = crossing_bytes(graph)
     cuts = {0, n}
-    for s, e in layer_spans(graph):
+    for s, e in layer_spans(graph) if layers else ():
         cuts.update((s, e))
     interior = [
         p
@@ -239,12 +252,18 @@ def sqrt_divisor(n: int) -> int:
 
 
 def layer_segments(graph: Graph, max_pseudo_layers: int = 16) -> list[tuple[int, int]]:
-    """The model's layers as node ranges (from name stacks), or equal-FLOP chunks between
-    low-crossing cuts when the program carries no layer names."""
+    """The model's layers as node ranges (`layer_spans`), or `flop_chunks` when none are
+    found."""
     spans = layer_spans(graph)
     if len(spans) >= 2:
         return spans
-    cuts = candidate_cuts(graph, max_cuts=4 * max_pseudo_layers)
+    return flop_chunks(graph, max_pseudo_layers)
+
+
+def flop_chunks(graph: Graph, max_pseudo_layers: int = 16) -> list[tuple[int, int]]:
+    """About `max_pseudo_layers` equal-FLOP chunks between low-crossing cuts, covering every
+    node (no glue left out)."""
+    cuts = candidate_cuts(graph, max_cuts=4 * max_pseudo_layers, layers=False)
     flops = [0.0]
     for node in graph.nodes:
         flops.append(flops[-1] + node.flops)
