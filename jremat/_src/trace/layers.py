@@ -99,6 +99,9 @@ def call_keys(graph: Graph) -> list[str | None]:
     return best[1]
 
 
+#: A repeated pattern is taken as the user's block when it covers at least this fraction of
+#: the equations the most covering pattern does (`repeat_keys`).
+REPEAT_COVERAGE = 0.75
 #: Primitives that make a repeated sequence a block worth a layer (it holds real compute).
 CONTRACTIONS = frozenset({"dot_general", "conv_general_dilated"})
 
@@ -112,10 +115,13 @@ def repeat_keys(
 
     Nodes read as tokens (primitive, rank of the first output), so a block called at other
     shapes (a U-Net's levels) still repeats. A pattern is a token sequence of length 2 to
-    `max_length` holding a contraction that occurs at least twice without overlap; the one
-    covering the most FLOPs wins (ties: the shorter, then the one whose occurrences start
-    where fewer bytes cross). Up to `max_patterns` patterns are taken, each on nodes the
-    previous ones left.
+    `max_length` holding a contraction that occurs at least twice without overlap. Of the
+    patterns covering at least `REPEAT_COVERAGE` of the most equations any covers, the
+    shortest wins (a ResNet's block rather than its stage of two blocks), of those the one covering
+    the most, then the one whose occurrences start where fewer bytes cross. Up to
+    `max_patterns` patterns are taken, each on nodes the previous ones left. A pattern is
+    then grown while every occurrence has the same equation next to it (`_extend`), so a
+    block's cheap tail (the activation after its convolution) stays in the block.
     """
     n = graph.num_nodes
     keys: list[str | None] = [None] * n
@@ -139,10 +145,12 @@ def repeat_keys(
     cross = crossing_bytes(graph)
     taken = np.zeros(n + 1, dtype=np.int64)  # prefix count of nodes already in a pattern
     for _ in range(max_patterns):
-        best: tuple | None = None
+        per_length: dict[int, tuple] = {}  # length -> (covered FLOPs, -crossing, starts)
         for length in range(2, min(max_length, n // 2) + 1):
             starts = np.arange(n - length + 1)
-            ok = (heavy[starts + length] > heavy[starts]) & (taken[starts + length] == taken[starts])
+            ok = (heavy[starts + length] > heavy[starts]) & (
+                taken[starts + length] == taken[starts]
+            )
             if ok.sum() < 2:
                 continue
             windows = np.lib.stride_tricks.sliding_window_view(tokens, length)[ok]
@@ -150,8 +158,7 @@ def repeat_keys(
             _, inverse, counts = np.unique(
                 windows, axis=0, return_inverse=True, return_counts=True
             )
-            inverse = inverse.reshape(-1)
-            order = np.argsort(inverse, kind="stable")
+            order = np.argsort(inverse.reshape(-1), kind="stable")
             bounds = np.concatenate([[0], np.cumsum(counts)])
             for g in np.nonzero(counts >= 2)[0]:
                 chosen: list[int] = []
@@ -161,16 +168,46 @@ def repeat_keys(
                 if len(chosen) < 2:
                     continue
                 covered = float(sum(flops[s + length] - flops[s] for s in chosen))
-                score = (covered, -length, -float(sum(cross[s] for s in chosen)))
-                if best is None or score > best[0]:
-                    best = (score, length, chosen)
-        if best is None:
+                score = (covered, -float(sum(cross[s] for s in chosen)), chosen)
+                if length not in per_length or score[:2] > per_length[length][:2]:
+                    per_length[length] = score
+        if not per_length:
             break
-        _, length, chosen = best
+        # the shortest pattern covering nearly the most: a block, not a stage of blocks
+        most = max(v[0] for v in per_length.values())
+        length = min(k for k, v in per_length.items() if v[0] >= REPEAT_COVERAGE * most)
+        chosen, length = _extend(tokens, keys, per_length[length][2], length)
         for s in chosen:
             keys[s : s + length] = [f"repeat@{s}"] * length
         taken = np.concatenate([[0], np.cumsum([k is not None for k in keys])])
     return keys
+
+
+def _extend(
+    tokens: np.ndarray, keys: list[str | None], starts: list[int], length: int
+) -> tuple[list[int], int]:
+    """Occurrences `starts` of a `length`-token pattern grown to the right, then the left,
+    while every occurrence has the same token there, free (no key) and not reaching the
+    next occurrence."""
+    n = len(tokens)
+
+    def free(j: int) -> bool:
+        return 0 <= j < n and keys[j] is None
+
+    while all(free(s + length) for s in starts) and all(
+        a + length < b for a, b in zip(starts, starts[1:], strict=False)
+    ):
+        if len({int(tokens[s + length]) for s in starts}) != 1:
+            break
+        length += 1
+    while all(free(s - 1) for s in starts) and all(
+        b - 1 >= a + length for a, b in zip(starts, starts[1:], strict=False)
+    ):
+        if len({int(tokens[s - 1]) for s in starts}) != 1:
+            break
+        starts = [s - 1 for s in starts]
+        length += 1
+    return starts, length
 
 
 def _spans(keys: list[str | None]) -> list[tuple[int, int]]:
