@@ -2,7 +2,8 @@
 
 `trace` flattens `jit`/`closed_call` bodies into one equation list in program order, so cuts can
 fall anywhere inside them; `scan`, `cond`, `while`, `custom_jvp`, `custom_vjp` and nested
-checkpoints stay single nodes whose cost includes their bodies
+checkpoints stay single nodes whose cost includes their bodies; each node remembers the calls it
+was inlined from (`Node.calls`: the user's blocks without names)
 (docs/design.md#tracing-and-the-cost-model).
 """
 

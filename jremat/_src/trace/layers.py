@@ -106,9 +106,7 @@ REPEAT_COVERAGE = 0.75
 CONTRACTIONS = frozenset({"dot_general", "conv_general_dilated"})
 
 
-def repeat_keys(
-    graph: Graph, max_length: int = 96, max_patterns: int = 4
-) -> list[str | None]:
+def repeat_keys(graph: Graph, max_length: int = 96, max_patterns: int = 4) -> list[str | None]:
     """Per node, the occurrence of a repeated subgraph it belongs to (`repeat@<start>`), or
     None: the user's blocks when they are plain Python functions, which leave no trace in
     the jaxpr but the same equations run again.
@@ -138,9 +136,7 @@ def repeat_keys(
         ],
         dtype=np.int64,
     )
-    heavy = np.concatenate(
-        [[0], np.cumsum([nd.primitive in CONTRACTIONS for nd in graph.nodes])]
-    )
+    heavy = np.concatenate([[0], np.cumsum([nd.primitive in CONTRACTIONS for nd in graph.nodes])])
     flops = np.concatenate([[0.0], np.cumsum([nd.flops for nd in graph.nodes])])
     cross = crossing_bytes(graph)
     taken = np.zeros(n + 1, dtype=np.int64)  # prefix count of nodes already in a pattern
@@ -155,9 +151,7 @@ def repeat_keys(
                 continue
             windows = np.lib.stride_tricks.sliding_window_view(tokens, length)[ok]
             starts = starts[ok]
-            _, inverse, counts = np.unique(
-                windows, axis=0, return_inverse=True, return_counts=True
-            )
+            _, inverse, counts = np.unique(windows, axis=0, return_inverse=True, return_counts=True)
             order = np.argsort(inverse.reshape(-1), kind="stable")
             bounds = np.concatenate([[0], np.cumsum(counts)])
             for g in np.nonzero(counts >= 2)[0]:
