@@ -10,13 +10,16 @@
 | `llama` | Llama decoder, byte-level text | `transformers.FlaxLlamaForCausalLM` |
 | `bert` | BERT encoder, masked language model | `transformers.FlaxBertForMaskedLM` |
 | `unet_plain` | U-Net-like conv net (the earlier `unet`) | `jremat.models.plain` (plain JAX) |
+| `unet_maxpool` | U-Net with max pooling, no names | `jremat.models.plain` (plain JAX) |
+| `resnet_plain` | ResNet without module paths | `jremat.models.plain` (plain JAX) |
 
 Every model is built from a config with random weights (nothing is downloaded). Text models
 read byte-tokenized public-domain text shipped in `jremat.data`; vision models read synthetic
 image batches (seeded normal pixels, random labels): memory and FLOPs depend only on shapes.
 Each has sizes: "default" (runs on a laptop CPU in minutes) and "tiny" (seconds, for tests).
-Layers run under module names with an index (`h/3`, `layers_4`, `enc_1`), from which jremat
-finds the layer boundaries of the per-layer policies.
+Most layers run under module names with an index (`h/3`, `layers_4`, `enc_1`), from which
+jremat finds the layer boundaries of the per-layer policies; `unet_maxpool` and
+`resnet_plain` carry no names (jremat finds their blocks from the repeated equations).
 """
 
 from __future__ import annotations
@@ -51,6 +54,8 @@ _REGISTRY: dict[str, tuple[str, str, str]] = {
     "llama": ("hf", "llama_workload", "Hugging Face Flax Llama decoder on byte-level text"),
     "bert": ("hf", "bert_workload", "Hugging Face Flax BERT masked LM on byte-level text"),
     "unet_plain": ("plain", "unet_workload", "plain-JAX U-Net-like conv net"),
+    "unet_maxpool": ("plain", "unet_maxpool_workload", "plain-JAX U-Net, max pooling, no names"),
+    "resnet_plain": ("plain", "resnet_plain_workload", "plain-JAX ResNet, no module paths"),
 }
 
 #: Workload names accepted by `get`, the default first.
@@ -77,7 +82,7 @@ def get(name: str, size: str = "default", **kw: Any) -> Workload:
 
     Args:
       name: one of `NAMES` ("gpt2", "vit", "resnet", "unet", "mlp", "llama", "bert",
-        "unet_plain").
+        "unet_plain", "unet_maxpool", "resnet_plain").
       size: "default" (a laptop CPU compares policies on it in minutes) or "tiny" (seconds;
         for tests and CI).
       **kw: model sizes, for example `get("gpt2", n_layer=2)`; see each builder's docstring

@@ -26,10 +26,10 @@ from jremat._src.compile.xla import MemoryFigures, compile_figures
 from jremat._src.plan.offload import OffloadCost, host_offload_effective, offload_proxy, offloads
 from jremat._src.plan.plan import Plan, plan_key
 from jremat._src.plan.planners import PLANNERS
-from jremat._src.plan.recipes import ANCHOR_RECIPES, recipe_plan, scan_configs
+from jremat._src.plan.recipes import anchor_plans, scan_configs
 from jremat._src.plan.rewrite import rematerialize
 from jremat._src.trace.graph import Graph, build_graph
-from jremat._src.trace.layers import has_scan, layer_segments
+from jremat._src.trace.layers import has_scan
 
 logger = logging.getLogger(__name__)
 
@@ -244,9 +244,7 @@ class Program:
         program, in parallel (`compile_many`) with the plans of `also` (not returned)."""
         akey = (planner.name, getattr(planner, "offload", None))
         if akey not in self._anchors:
-            plans = [planner.min_memory_plan()]
-            if len(layer_segments(self.graph)) > 1:
-                plans += [recipe_plan(self.graph, policy, seg) for policy, seg in ANCHOR_RECIPES]
+            plans = [planner.min_memory_plan(), *anchor_plans(self.graph)]
             for scans in scan_configs(self.graph):
                 for base_plan in (Plan.identity(self.graph), planner.min_memory_plan()):
                     p = copy.deepcopy(base_plan)

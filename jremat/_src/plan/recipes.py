@@ -8,7 +8,7 @@ import math
 
 from jremat._src.plan.plan import Plan, ScanSetting
 from jremat._src.trace.graph import Graph
-from jremat._src.trace.layers import layer_segments, sqrt_divisor
+from jremat._src.trace.layers import flop_chunks, layer_segments, layer_source, sqrt_divisor
 
 #: Fixed recipes compiled next to every plan search: JAX's built-in policies per layer and
 #: sqrt(n) segments. `plan` returns the cheapest compiled plan that fits, so it never recomputes
@@ -19,6 +19,24 @@ ANCHOR_RECIPES = (
     ("dots_with_no_batch_dims_saveable", "layers"),
     ("dots_saveable", "layers"),
 )
+
+#: Added where the layers are the user's blocks found without names (calls, repeated
+#: subgraphs): those leave the glue between blocks (pooling, upsampling, concatenation)
+#: outside every segment, and on some programs equal-FLOP chunks covering everything reach
+#: lower (docs/design.md#layers-without-names).
+UNNAMED_EXTRA_RECIPES = (("nothing_saveable", "chunks"), ("nothing_saveable", "chunks_sqrt_n"))
+
+
+def anchor_plans(graph: Graph) -> list[Plan]:
+    """The fixed recipes compiled next to every plan search: `ANCHOR_RECIPES`, and where the
+    layers were found without names `UNNAMED_EXTRA_RECIPES`; none when the program has a
+    single layer."""
+    if len(layer_segments(graph)) <= 1:
+        return []
+    recipes = list(ANCHOR_RECIPES)
+    if layer_source(graph) in ("calls", "repeats"):
+        recipes += UNNAMED_EXTRA_RECIPES
+    return [recipe_plan(graph, policy, seg) for policy, seg in recipes]
 
 
 # -- fixed recipes: built-in policies per layer, sqrt(n), scans over layers --------------------
@@ -52,15 +70,24 @@ def scan_configs(graph: Graph) -> list[dict[str, ScanSetting]]:
 
 
 def recipe_plan(graph: Graph, policy: str, segmentation: str = "layers") -> Plan:
-    """A fixed plan: `policy` (a `jremat.policies` name) applied per layer ("layers"), or to
-    about sqrt(L) groups of layers ("sqrt_n", Chen et al. 2016); glue between layers is kept."""
-    spans = layer_segments(graph)
-    if segmentation == "sqrt_n":
+    """A fixed plan: `policy` (a `jremat.policies` name) applied per layer ("layers"), to
+    about sqrt(L) groups of layers ("sqrt_n", Chen et al. 2016), or the same on equal-FLOP
+    chunks covering every node ("chunks", "chunks_sqrt_n"; `trace.layers.flop_chunks`);
+    glue between layers is kept.
+
+    Raises:
+      ValueError: `segmentation` is none of these.
+    """
+    if segmentation not in ("layers", "sqrt_n", "chunks", "chunks_sqrt_n"):
+        raise ValueError(
+            "segmentation must be 'layers', 'sqrt_n', 'chunks' or 'chunks_sqrt_n', got "
+            f"{segmentation!r}"
+        )
+    spans = flop_chunks(graph) if segmentation.startswith("chunks") else layer_segments(graph)
+    if segmentation.endswith("sqrt_n"):
         k = max(1, round(math.sqrt(len(spans))))
         size = math.ceil(len(spans) / k)
         groups = [spans[i : i + size] for i in range(0, len(spans), size)]
         spans = [(g[0][0], g[-1][1]) for g in groups]
-    elif segmentation != "layers":
-        raise ValueError(f"segmentation must be 'layers' or 'sqrt_n', got {segmentation!r}")
     name = f"{policy}/{segmentation}"
     return Plan.from_spans(graph, spans, [policy] * len(spans), name).annotate(graph)

@@ -2,7 +2,8 @@
 
 `trace` flattens `jit`/`closed_call` bodies into one equation list in program order, so cuts can
 fall anywhere inside them; `scan`, `cond`, `while`, `custom_jvp`, `custom_vjp` and nested
-checkpoints stay single nodes whose cost includes their bodies
+checkpoints stay single nodes whose cost includes their bodies; each node remembers the calls it
+was inlined from (`Node.calls`: the user's blocks without names)
 (docs/design.md#tracing-and-the-cost-model).
 """
 
@@ -59,6 +60,10 @@ class Node:
     internal_bytes: int  # residual bytes kept inside a control-flow node (scan stacks ...)
     source: str
     name_stack: str
+    #: the call equations (`jit`, `closed_call`) this node was inlined from, outermost first,
+    #: each as `<callee name>@<equation index in the caller>`: the user's own functions, found
+    #: without names (trace/layers.py `call_keys`)
+    calls: tuple[str, ...] = ()
 
 
 @dataclasses.dataclass
@@ -91,6 +96,8 @@ class Graph:
     consumers: list[list[int]] = dataclasses.field(default_factory=list)
     mesh_axes: dict[str, int] = dataclasses.field(default_factory=dict)
     out_shape: Any = None
+    #: figures derived from the graph once (trace/layers.py: its layer keys)
+    memo: dict[str, Any] = dataclasses.field(default_factory=dict, repr=False, compare=False)
 
     @property
     def num_nodes(self) -> int:
@@ -152,7 +159,14 @@ class _Builder:
         out_shapes = [tuple(getattr(v.aval, "shape", ())) for v in eqn.outvars]
         return propagate(eqn, in_specs, in_shapes, out_shapes)
 
-    def add_jaxpr(self, jaxpr: Any, consts: Sequence[Any], in_ids: Sequence[Any], stack: str):
+    def add_jaxpr(
+        self,
+        jaxpr: Any,
+        consts: Sequence[Any],
+        in_ids: Sequence[Any],
+        stack: str,
+        calls: tuple[str, ...] = (),
+    ):
         env: dict[Any, Any] = {}
         for var, c in zip(jaxpr.constvars, consts, strict=True):
             cid = self.new_value(var.aval, CONST)
@@ -164,7 +178,7 @@ class _Builder:
         def read(v: Any) -> Any:
             return v if hasattr(v, "val") else env[v]
 
-        for eqn in jaxpr.eqns:
+        for position, eqn in enumerate(jaxpr.eqns):
             ins = [read(v) for v in eqn.invars]
             inner_stack = _join(stack, _compat.name_stack(eqn))
             call = (
@@ -173,7 +187,8 @@ class _Builder:
                 else None
             )
             if call is not None:
-                outs = self.add_jaxpr(call[0], call[1], ins, inner_stack)
+                callee = f"{eqn.params.get('name', eqn.primitive.name)}@{position}"
+                outs = self.add_jaxpr(call[0], call[1], ins, inner_stack, (*calls, callee))
                 for var, o in zip(eqn.outvars, outs, strict=True):
                     env[var] = o
                 continue
@@ -199,6 +214,7 @@ class _Builder:
                     internal_bytes=self.local_internal_bytes(eqn, out_ids),
                     source=_compat.source_summary(eqn),
                     name_stack=inner_stack,
+                    calls=calls,
                 )
             )
         return [read(v) for v in jaxpr.outvars]

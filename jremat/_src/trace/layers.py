@@ -1,5 +1,6 @@
-"""A program's layers from its name stack (`h/3`, `layers_4`, `Block_2`), the bytes crossing
-each cut position, and the cut candidates the planners consider
+"""A program's layers from its name stack (`h/3`, `layers_4`, `Block_2`) or, without names,
+from its calls and repeated blocks; the bytes crossing each cut position, and the cut
+candidates the planners consider
 (docs/design.md#tracing-and-the-cost-model)."""
 
 from __future__ import annotations
@@ -32,7 +33,39 @@ def crossing_bytes(graph: Graph) -> np.ndarray:
 
 
 def layer_keys(graph: Graph) -> list[str | None]:
-    """Per node, the layer it belongs to, from the name stack (`.../h/3`, `.../Block_2`)."""
+    """Per node, the layer it belongs to (None: glue between layers).
+
+    Layers come from the first source that splits the program into at least two of them:
+    the name stack (`.../h/3`, `.../Block_2`: named scopes, Flax module paths); else the
+    user's own functions, from the call structure JAX records (`call_keys`) or from the same
+    sequence of primitives run again (`repeat_keys`), whichever covers more FLOPs. So a
+    program without names still has its blocks as layers: per-layer recipes then include
+    "checkpoint each call of the user's block" (docs/design.md#layers-without-names).
+    """
+    if "layer_keys" not in graph.memo:
+        keys, source = name_keys(graph), "names"
+        if len(_spans(keys)) < 2:
+            found = [
+                (k, src)
+                for k, src in ((call_keys(graph), "calls"), (repeat_keys(graph), "repeats"))
+                if len(_spans(k)) >= 2
+            ]
+            keys, source = [None] * graph.num_nodes, None
+            if found:  # the first on ties
+                keys, source = max(found, key=lambda ks: _covered_flops(graph, ks[0]))
+        graph.memo["layer_keys"], graph.memo["layer_source"] = keys, source
+    return list(graph.memo["layer_keys"])
+
+
+def layer_source(graph: Graph) -> str | None:
+    """Where `layer_keys` found the layers: "names", "calls", "repeats", or None (none)."""
+    if len(layer_spans(graph)) < 2:
+        return None
+    return graph.memo["layer_source"]
+
+
+def name_keys(graph: Graph) -> list[str | None]:
+    """Per node, the layer named in its name stack (`.../h/3`, `.../Block_2`), or None."""
     keys: list[str | None] = []
     for node in graph.nodes:
         parts = node.name_stack.split("/") if node.name_stack else []
@@ -45,13 +78,135 @@ def layer_keys(graph: Graph) -> list[str | None]:
     return keys
 
 
-def layer_spans(graph: Graph) -> list[tuple[int, int]]:
-    """Contiguous `[start, end)` node ranges of the model's layers, found from name stacks.
+def call_keys(graph: Graph) -> list[str | None]:
+    """Per node, the call (`jit`-decorated function, `closed_call`) it was inlined from, as
+    `name@position` paths (`Node.calls`), or None for nodes outside every call.
 
-    Nodes between layers (embeddings, heads, unnamed glue) belong to no span. Empty when the
-    program carries no layer names.
+    Calls nest (a jitted block calls the jitted `jax.nn.silu`; a jitted loss holds every
+    block): of the call depths that split the program into two calls or more, the one whose
+    calls cover the most FLOPs, the shallowest on ties. A call without a contraction
+    (`jax.image.resize`, `jax.nn.silu` alone) is glue, not a layer. Plain Python functions
+    leave no call in the jaxpr: `repeat_keys` finds those.
     """
-    keys = layer_keys(graph)
+    depth = max((len(n.calls) for n in graph.nodes), default=0)
+    best: tuple[float, list[str | None]] = (-1.0, [None] * graph.num_nodes)
+    for d in range(1, depth + 1):
+        keys = ["/".join(n.calls[:d]) if len(n.calls) >= d else None for n in graph.nodes]
+        heavy = {k for k, n in zip(keys, graph.nodes, strict=True) if n.primitive in CONTRACTIONS}
+        keys = [k if k in heavy else None for k in keys]
+        if len(_spans(keys)) >= 2 and _covered_flops(graph, keys) > best[0]:
+            best = (_covered_flops(graph, keys), keys)
+    return best[1]
+
+
+#: A repeated pattern is taken as the user's block when it covers at least this fraction of
+#: the equations the most covering pattern does (`repeat_keys`).
+REPEAT_COVERAGE = 0.75
+#: Primitives that make a repeated sequence a block worth a layer (it holds real compute).
+CONTRACTIONS = frozenset({"dot_general", "conv_general_dilated"})
+
+
+def repeat_keys(graph: Graph, max_length: int = 96, max_patterns: int = 4) -> list[str | None]:
+    """Per node, the occurrence of a repeated subgraph it belongs to (`repeat@<start>`), or
+    None: the user's blocks when they are plain Python functions, which leave no trace in
+    the jaxpr but the same equations run again.
+
+    Nodes read as tokens (primitive, rank of the first output), so a block called at other
+    shapes (a U-Net's levels) still repeats. A pattern is a token sequence of length 2 to
+    `max_length` holding a contraction that occurs at least twice without overlap. Of the
+    patterns covering at least `REPEAT_COVERAGE` of the most equations any covers, the
+    shortest wins (a ResNet's block rather than its stage of two blocks), of those the one covering
+    the most, then the one whose occurrences start where fewer bytes cross. Up to
+    `max_patterns` patterns are taken, each on nodes the previous ones left. A pattern is
+    then grown while every occurrence has the same equation next to it (`_extend`), so a
+    block's cheap tail (the activation after its convolution) stays in the block.
+    """
+    n = graph.num_nodes
+    keys: list[str | None] = [None] * n
+    if n < 4:
+        return keys
+    vocab: dict[tuple[str, int], int] = {}
+    tokens = np.array(
+        [
+            vocab.setdefault(
+                (nd.primitive, len(graph.values[nd.outputs[0]].shape) if nd.outputs else -1),
+                len(vocab),
+            )
+            for nd in graph.nodes
+        ],
+        dtype=np.int64,
+    )
+    heavy = np.concatenate([[0], np.cumsum([nd.primitive in CONTRACTIONS for nd in graph.nodes])])
+    flops = np.concatenate([[0.0], np.cumsum([nd.flops for nd in graph.nodes])])
+    cross = crossing_bytes(graph)
+    taken = np.zeros(n + 1, dtype=np.int64)  # prefix count of nodes already in a pattern
+    for _ in range(max_patterns):
+        per_length: dict[int, tuple] = {}  # length -> (covered FLOPs, -crossing, starts)
+        for length in range(2, min(max_length, n // 2) + 1):
+            starts = np.arange(n - length + 1)
+            ok = (heavy[starts + length] > heavy[starts]) & (
+                taken[starts + length] == taken[starts]
+            )
+            if ok.sum() < 2:
+                continue
+            windows = np.lib.stride_tricks.sliding_window_view(tokens, length)[ok]
+            starts = starts[ok]
+            _, inverse, counts = np.unique(windows, axis=0, return_inverse=True, return_counts=True)
+            order = np.argsort(inverse.reshape(-1), kind="stable")
+            bounds = np.concatenate([[0], np.cumsum(counts)])
+            for g in np.nonzero(counts >= 2)[0]:
+                chosen: list[int] = []
+                for s in starts[order[bounds[g] : bounds[g + 1]]]:
+                    if not chosen or s >= chosen[-1] + length:
+                        chosen.append(int(s))
+                if len(chosen) < 2:
+                    continue
+                covered = float(sum(flops[s + length] - flops[s] for s in chosen))
+                score = (covered, -float(sum(cross[s] for s in chosen)), chosen)
+                if length not in per_length or score[:2] > per_length[length][:2]:
+                    per_length[length] = score
+        if not per_length:
+            break
+        # the shortest pattern covering nearly the most: a block, not a stage of blocks
+        most = max(v[0] for v in per_length.values())
+        length = min(k for k, v in per_length.items() if v[0] >= REPEAT_COVERAGE * most)
+        chosen, length = _extend(tokens, keys, per_length[length][2], length)
+        for s in chosen:
+            keys[s : s + length] = [f"repeat@{s}"] * length
+        taken = np.concatenate([[0], np.cumsum([k is not None for k in keys])])
+    return keys
+
+
+def _extend(
+    tokens: np.ndarray, keys: list[str | None], starts: list[int], length: int
+) -> tuple[list[int], int]:
+    """Occurrences `starts` of a `length`-token pattern grown to the right, then the left,
+    while every occurrence has the same token there, free (no key) and not reaching the
+    next occurrence."""
+    n = len(tokens)
+
+    def free(j: int) -> bool:
+        return 0 <= j < n and keys[j] is None
+
+    while all(free(s + length) for s in starts) and all(
+        a + length < b for a, b in zip(starts, starts[1:], strict=False)
+    ):
+        if len({int(tokens[s + length]) for s in starts}) != 1:
+            break
+        length += 1
+    while all(free(s - 1) for s in starts) and all(
+        b - 1 >= a + length for a, b in zip(starts, starts[1:], strict=False)
+    ):
+        if len({int(tokens[s - 1]) for s in starts}) != 1:
+            break
+        starts = [s - 1 for s in starts]
+        length += 1
+    return starts, length
+
+
+def _spans(keys: list[str | None]) -> list[tuple[int, int]]:
+    """Contiguous `[start, end)` runs of equal non-None keys; a key that resumes after other
+    nodes (glue inside a layer) extends its run."""
     spans: list[tuple[int, int]] = []
     seen: dict[str, int] = {}
     for i, k in enumerate(keys):
@@ -74,8 +229,22 @@ def layer_spans(graph: Graph) -> list[tuple[int, int]]:
     return merged
 
 
-def candidate_cuts(graph: Graph, max_cuts: int = 160) -> list[int]:
-    """Cut positions the planners consider: layer boundaries plus low-crossing positions.
+def _covered_flops(graph: Graph, keys: list[str | None]) -> float:
+    return float(sum(n.flops for n, k in zip(graph.nodes, keys, strict=True) if k is not None))
+
+
+def layer_spans(graph: Graph) -> list[tuple[int, int]]:
+    """Contiguous `[start, end)` node ranges of the model's layers (`layer_keys`).
+
+    Nodes between layers (embeddings, heads, unnamed glue) belong to no span. Empty when no
+    layers are found (no names, calls or repeated blocks).
+    """
+    return _spans(layer_keys(graph))
+
+
+def candidate_cuts(graph: Graph, max_cuts: int = 160, layers: bool = True) -> list[int]:
+    """Cut positions the planners consider: layer boundaries (unless `layers` is False) plus
+    low-crossing positions.
 
     Always includes 0 and `num_nodes`. Positions are local minima of `crossing_bytes`; when
     there are more than `max_cuts`, the cheapest in each of `max_cuts` equal windows are kept.
@@ -83,7 +252,7 @@ def candidate_cuts(graph: Graph, max_cuts: int = 160) -> list[int]:
     n = graph.num_nodes
     cross = crossing_bytes(graph)
     cuts = {0, n}
-    for s, e in layer_spans(graph):
+    for s, e in layer_spans(graph) if layers else ():
         cuts.update((s, e))
     interior = [
         p
@@ -114,12 +283,18 @@ def sqrt_divisor(n: int) -> int:
 
 
 def layer_segments(graph: Graph, max_pseudo_layers: int = 16) -> list[tuple[int, int]]:
-    """The model's layers as node ranges (from name stacks), or equal-FLOP chunks between
-    low-crossing cuts when the program carries no layer names."""
+    """The model's layers as node ranges (`layer_spans`), or `flop_chunks` when none are
+    found."""
     spans = layer_spans(graph)
     if len(spans) >= 2:
         return spans
-    cuts = candidate_cuts(graph, max_cuts=4 * max_pseudo_layers)
+    return flop_chunks(graph, max_pseudo_layers)
+
+
+def flop_chunks(graph: Graph, max_pseudo_layers: int = 16) -> list[tuple[int, int]]:
+    """About `max_pseudo_layers` equal-FLOP chunks between low-crossing cuts, covering every
+    node (no glue left out)."""
+    cuts = candidate_cuts(graph, max_cuts=4 * max_pseudo_layers, layers=False)
     flops = [0.0]
     for node in graph.nodes:
         flops.append(flops[-1] + node.flops)
