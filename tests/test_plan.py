@@ -15,6 +15,7 @@ import jremat
 from jremat._src.plan.plan import KEEP, SCAN_FORMS, Plan, ScanPiece, ScanSetting, Segment
 from jremat._src.plan.recipes import recipe_plan
 
+
 # -- auto: the compiled program meets the budget ----------------------------------------------
 @pytest.mark.parametrize("fraction", [0.3, 0.5, 0.7])
 @pytest.mark.parametrize("name", ["mlp_chain", "decoder"])
