@@ -42,11 +42,11 @@ CASES = [(n, s) for n in EVERY_SOLVER for s in SOLVERS] + [
 
 @pytest.fixture(scope="module")
 def programs():
-    """One `Program` per (model, key): each solver test plans on a program of its own, so
-    that no other solver's compiled plans are there for `solve` to take."""
+    """One `Program` per (model, solver): each solver's tests plan on a program of their own,
+    so that no other solver's compiled plans are there for `solve` to take."""
     cache: dict[tuple[str, str], tuple[M.Model, Program]] = {}
 
-    def get(name: str, key: str = "shared"):
+    def get(name: str, key: str = "chain"):
         if (name, key) not in cache:
             m = M.MODELS[name]()
             cache[name, key] = (m, Program(m.loss, m.args, 0))
@@ -95,7 +95,7 @@ def test_solver_meets_budget_with_exact_gradients(programs, name, solver):
 
 @pytest.mark.parametrize("solver", ["chain", "greedy", "dtr", "milp"])
 def test_plan_survives_json_round_trip(programs, solver):
-    m, prog = programs("mlp_chain")
+    m, prog = programs("mlp_chain", solver)
     plan = solve(prog, parse_budget(0.5), solver=solver, max_rounds=2)
     again = jremat.Plan.from_json(plan.to_json())
     assert again == plan
@@ -108,7 +108,7 @@ def test_plan_survives_json_round_trip(programs, solver):
 
 @pytest.mark.parametrize("solver", ["chain", "dtr"])
 def test_unreachable_budget_states_smallest_reachable(programs, solver):
-    _, prog = programs("mlp_chain")
+    _, prog = programs("mlp_chain", solver)
     with pytest.raises(jremat.InfeasibleBudgetError) as info:
         solve(prog, parse_budget(0.01), solver=solver, max_rounds=1)
     smallest = info.value.smallest_reachable
@@ -156,7 +156,7 @@ def test_auto_never_recomputes_more_than_a_fitting_builtin(programs):
 
 
 def test_scan_plans_remat_the_loop_body(programs):
-    m, prog = programs("scan")
+    m, prog = programs("scan", "auto")
     base = prog.baseline.temp_bytes
     plan = solve(prog, parse_budget(0.6))
     assert plan.measured_temp_bytes <= 0.6 * base
