@@ -1,6 +1,7 @@
 """Regenerate the figures README.md quotes from the current code (one command).
 
-    python benchmarks/readme_tables.py      # writes benchmarks/results/readme.md
+    python benchmarks/readme_tables.py      # writes benchmarks/results/readme.md and .json
+    python benchmarks/readme_tables.py --render   # the Markdown again from the JSON
 
 Runs `jremat compare` on the default model (Hugging Face Flax GPT-2, 6 layers, d=128, a batch
 of 8x128 byte tokens) at budgets 0.25 / 0.5 / 0.75 with `solver="auto"`, and writes each block
@@ -61,15 +62,17 @@ def select_columns(markdown: str, columns=COLUMNS) -> str:
     if missing:
         raise ValueError(f"columns {missing} not in the table's header {head}")
     keep = [head.index(c) for c in columns]
-    out = []
-    for i, line in enumerate(lines):
+    numeric = {"temp", "footprint", "extra", "max"}  # right-aligned columns' first words
+    out = [
+        "| " + " | ".join(columns) + " |",
+        "|" + "|".join("---:" if c.split()[0] in numeric else "---" for c in columns) + "|",
+    ]
+    for i, line in enumerate(lines[2:], start=2):
         if not line.startswith("|"):
             out += lines[i:]
             break
-        cells = split(line)
-        out.append("| " + " | ".join(cells[k] for k in keep) + " |")
-    out[1] = "|" + "|".join("---" if i < 2 else "---:" for i in range(len(keep))) + "|"
-    out[1] = out[1][:-4] + "---|"  # Pareto: text, left-aligned
+        cells = [split(line)[k] for k in keep]
+        out.append(("| " + " | ".join(cells) + " |").replace("|  |", "| |"))
     return "\n".join(out)
 
 
@@ -82,45 +85,57 @@ def auto_sentence(result) -> str:
         if r.budget is None:
             continue
         if not r.ok:
-            parts.append(f"at {r.budget} `auto` finds no plan ({r.status})")
+            parts.append(f"no plan at {r.budget} ({r.status})")
             continue
         fits = [b for b in builtins if b.temp_bytes <= r.budget_temp_bytes]
         best = min(fits, key=lambda b: b.extra_flops_pct, default=None)
-        against = (
-            f"the cheapest built-in that fits, {best.policy}, {best.extra_flops_pct:.1f}%"
-            if best
-            else "no built-in fits"
-        )
-        parts.append(f"at {r.budget} `auto` recomputes {r.extra_flops_pct:.1f}% ({against})")
-    return "Extra FLOPs: " + "; ".join(parts) + "."
+        against = f"{best.extra_flops_pct:.1f}% ({best.policy})" if best else "none fits"
+        parts.append(f"{r.extra_flops_pct:.1f}% vs {against} at {r.budget}")
+    return (
+        "Extra FLOPs of `auto` against the cheapest built-in that fits the same budget: "
+        + "; ".join(parts)
+        + "."
+    )
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=OUT)
+    ap.add_argument(
+        "--render",
+        action="store_true",
+        help="rewrite the Markdown from the committed JSON (no compiles)",
+    )
     args = ap.parse_args(argv)
     from jremat import models
-    from jremat._src.reports.comparison import compare
+    from jremat._src.reports.comparison import Comparison, compare
 
+    data = os.path.splitext(args.out)[0] + ".json"
     work = models.get("gpt2", size="default")
-    result = compare(
-        work.loss,
-        work.params,
-        work.batch,
-        budgets=BUDGETS,
-        solvers=("auto",),
-        description=work.description,
-        progress=False,
-    )
-    table = select_columns(result.to_markdown())
+    if args.render:
+        result = Comparison.from_json(data, description=work.description)
+        platform = "rendered from " + os.path.basename(data)
+    else:
+        result = compare(
+            work.loss,
+            work.params,
+            work.batch,
+            budgets=BUDGETS,
+            solvers=("auto",),
+            description=work.description,
+            progress=False,
+        )
+        result.to_json(data)
+        platform = f"jax {jax.__version__}, {jax.devices()[0].platform}"
     md = [
         "# Figures quoted in README.md",
         "",
-        f"Written by `python benchmarks/readme_tables.py` (jax {jax.__version__}, "
-        f"{jax.devices()[0].platform}): `jremat compare` on {work.description}, unrematerialized "
-        f"temp {result.baseline_temp_bytes / 2**20:.2f} MiB.",
+        f"Written by `python benchmarks/readme_tables.py` ({platform}): `jremat compare` on "
+        f"{result.description}, unrematerialized temp "
+        f"{result.baseline_temp_bytes / 2**20:.2f} MiB; every row compiled "
+        f"(`{os.path.basename(data)}` has the full rows).",
         "",
-        block("compare-table", table),
+        block("compare-table", select_columns(result.to_markdown())),
         "",
         block("compare-claims", auto_sentence(result)),
     ]
