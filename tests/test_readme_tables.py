@@ -54,7 +54,7 @@ def test_claims_follow_from_the_table():
         fits = [b for b in builtins if float(b[2]) <= budget * base_temp]
         best = min(fits, key=lambda b: float(b[4]))
         said = re.search(
-            rf"([\d.]+)% vs ([\d.]+)% \({re.escape(best[0])}\) at {budget}(;|\.$)", claims
+            rf"([\d.]+)% vs ([\d.]+)% \({re.escape(best[0])}\) at {budget}(;|\.\n)", claims
         )
         assert said, (budget, best[0], claims)
         assert float(said.group(1)) == extra and float(said.group(2)) == float(best[4])
