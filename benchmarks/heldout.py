@@ -189,7 +189,7 @@ def milp_rows(name: str, budgets) -> tuple[list[str], list[str]]:
         budget = b * milp.no_remat_peak()
         best, dp = milp.plan(budget), chain.plan(budget)
         if best is None or dp is None:
-            out.append(f"| {name} | {b} | infeasible in the model | - | - |")
+            out.append(f"| {name} | {b} | infeasible in the model | - | - | - |")
             continue
         ref = max(best.recompute_flops, 1.0)
         over = dp.recompute_flops / ref - 1
