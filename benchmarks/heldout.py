@@ -11,8 +11,8 @@ layers) and a U-Net, at budgets 0.25 / 0.4 / 0.55 / 0.7 / 0.85 of the unremateri
   layer, sqrt(n) segments, and for scans the body policies and sqrt(L) nesting);
 * where that built-in recomputes more than 1%, the ratio of extra FLOPs (auto / built-in) is
   reported with its geometric mean;
-* the chain DP's objective against the exact MILP's (HiGHS, proven optimal) on each model's
-  segment model at the same budgets;
+* the chain DP's objective against the exact MILP's on each model's segment model at the same
+  budgets: within 5% of it wherever HiGHS proves its optimum (gap 0); the gap where not;
 * planning seconds (trace, segment table, one DP solve; no compiles) of a 12-layer decoder.
 
 Figures are XLA's deterministic compiled temp bytes and FLOPs (scan bodies times their trip
@@ -149,30 +149,61 @@ def calibration_row(name: str, prog: Program) -> str:
     )
 
 
-def milp_rows(name: str, budgets) -> list[str]:
-    """Chain DP vs the MILP's proven optimum on the model's segment model (no compiles)."""
+#: The chain DP's recompute may exceed the MILP's proven optimum by this much (relative).
+CHAIN_TOLERANCE = 0.05
+#: Wall-time cap per MILP solve (the benchmark's only one; the gap it leaves is reported).
+MILP_SECONDS = 60.0
+#: HiGHS's relative gap at or below which the MILP's objective is called the optimum.
+PROVEN_GAP = 1e-6
+
+
+def exact_milp(graph, max_cuts: int = 32):
+    """The MILP run for a proven optimum: no node limit where the planner takes one, and a cap
+    of `MILP_SECONDS` per solve so that the benchmark ends. Where the cap stops HiGHS first,
+    the row reports the gap it reached and calls nothing optimal."""
+    return PLANNERS["milp"](graph, max_cuts=max_cuts, max_nodes=None, time_limit=MILP_SECONDS)
+
+
+def milp_rows(name: str, budgets) -> tuple[list[str], list[str]]:
+    """Chain DP and auto's planner against the MILP on the model's segment model (no
+    compiles): where HiGHS proves its optimum (gap <= `PROVEN_GAP`), the chain DP must be
+    within `CHAIN_TOLERANCE` of it (a failure otherwise); elsewhere the row gives the gap and
+    how far the DP is at most from the optimum (over HiGHS's lower bound). The MILP starts from
+    the DP's plan, so a row where HiGHS found nothing better reads +0.00% whatever the gap:
+    only rows with gap 0 show the DP optimal."""
     loss, params, batch = workload(name)
     graph = jremat.trace(loss, params, batch)
-    from jremat._src.compile.program import AUTO_MILP_MAX_NODES, AUTO_MILP_NODES
+    from jremat._src.compile.program import AUTO_MILP_MAX_NODES
 
-    milp = PLANNERS["milp"](graph, max_cuts=32, max_nodes=None, time_limit=30.0)
+    milp = exact_milp(graph)
     chain = PLANNERS["chain"](graph, max_cuts=32)
-    small = graph.num_nodes <= AUTO_MILP_MAX_NODES  # auto's own planner is then a quick MILP
-    auto = PLANNERS["milp"](graph, max_cuts=32, max_nodes=AUTO_MILP_NODES) if small else chain
-    out = []
+    small = graph.num_nodes <= AUTO_MILP_MAX_NODES  # auto's own planner is then the MILP
+    out, failures = [], []
     for b in budgets:
         budget = b * milp.no_remat_peak()
-        best, dp, mine = milp.plan(budget), chain.plan(budget), auto.plan(budget)
-        if best is None or dp is None or mine is None:
+        best, dp = milp.plan(budget), chain.plan(budget)
+        if best is None or dp is None:
             out.append(f"| {name} | {b} | infeasible in the model | - | - | - |")
             continue
         ref = max(best.recompute_flops, 1.0)
+        over = dp.recompute_flops / ref - 1
+        gap = float(milp.last_gap)
+        if gap <= PROVEN_GAP:
+            status = "optimal (gap 0)"
+            dp_text = f"{100 * over:+.2f}%"
+            if over > CHAIN_TOLERANCE:
+                failures.append(
+                    f"{name} {b}: chain DP {100 * over:.2f}% over the MILP's proven optimum"
+                )
+        else:
+            bound = max(ref * (1 - gap), 1.0)  # HiGHS's lower bound on the optimum
+            status = f"not proven: gap {gap:.2g}"
+            dp_text = f"{100 * over:+.2f}% (at most {100 * (dp.recompute_flops / bound - 1):+.1f}%)"
         out.append(
-            f"| {name} | {b} | {best.recompute_flops:.4g} (gap {milp.last_gap:.2g}) | "
-            f"{100 * (dp.recompute_flops / ref - 1):+.2f}% | "
-            f"{100 * (mine.recompute_flops / ref - 1):+.2f}% ({'milp' if small else 'chain'}) |"
+            f"| {name} | {b} | {best.recompute_flops:.4g} | {status} | {dp_text} "
+            f"| {'milp' if small else 'chain'} |"
         )
-    return out
+    return out, failures
 
 
 def planning_seconds(n_layer: int = 12) -> tuple[int, float, float, float]:
@@ -208,10 +239,15 @@ def main(argv=None) -> int:
         ratios += rs
         failures += fs
     geo = math.exp(sum(math.log(max(r, 1e-9)) for r in ratios) / len(ratios)) if ratios else None
-    milp = ["| model | budget | MILP optimum (recompute FLOPs) | chain DP over it | auto over it |"]
-    milp.append("|---|---|---|---|---|")
+    milp = [
+        "| model | budget | MILP recompute FLOPs | HiGHS | chain DP over the MILP "
+        "| auto's planner |",
+        "|---|---|---|---|---|---|",
+    ]
     for name in names:
-        milp += milp_rows(name, BUDGETS)
+        rows, fs = milp_rows(name, BUDGETS)
+        milp += rows
+        failures += fs
     n, tt, tb, ts = planning_seconds()
     md = [
         f"# Held-out acceptance ({jax.__version__}, {jax.devices()[0].platform}, "
@@ -226,11 +262,16 @@ def main(argv=None) -> int:
         if geo
         else "No cell where a built-in recomputes more than 1%.",
         "",
-        "Failures: " + ("; ".join(failures) if failures else "none") + ".",
-        "",
         "## Chain DP against the exact MILP (the cost model's optimum, HiGHS)",
         "",
+        f"HiGHS runs without a node limit, at most {MILP_SECONDS:.0f} s per solve, from the "
+        "chain DP's plan. Where it proves its optimum (gap 0) the DP must be within "
+        f"{100 * CHAIN_TOLERANCE:.0f}% of it; elsewhere the gap it reached is shown and "
+        "nothing is called optimal.",
+        "",
         *milp,
+        "",
+        "Failures: " + ("; ".join(failures) if failures else "none") + ".",
         "",
         f"## Planning a 12-layer GPT-2 ({n} equations, no compiles)",
         "",

@@ -3,9 +3,10 @@
     python benchmarks/run.py            # XLA's bytes and FLOPs, planning seconds
 
 Step time, peak device memory and the largest batch under a memory cap are measured by
-`benchmarks/gpu.py` (the device benchmark). One `Program` per model is shared by the solvers,
-so a plan one solver compiled is a candidate for the others' budgets too (as it would be for
-a user re-planning the same program): cells where solvers agree often share a plan.
+`benchmarks/gpu.py` (the device benchmark). Each solver plans on a `Program` of its own, so no
+solver's column holds a plan another solver compiled; the `origin` column of `results.csv`
+says whether a cell's plan is the solver's own (its label), a built-in recipe or a mix of
+recipes (`mix:...`), which `jremat.plan` returns when that is cheaper and fits.
 
 Models: GPT-2-style decoder unrolled (Hugging Face Flax GPT-2) and scanned (`lax.scan` over
 layers), ViT, ResNet, U-Net and an MLP chain, at budgets 0.2 .. 0.9. Figures are XLA's
@@ -96,7 +97,7 @@ def workloads(names):
 
 
 def run_model(name, loss, params, batch, budgets, solvers, rows):
-    prog = Program(loss, (params, batch), 0)
+    prog = Program(loss, (params, batch), 0)  # the reference rows
     base = prog.baseline
     print(
         f"[{name}] {prog.graph.num_nodes} equations, unrematerialized temp "
@@ -104,7 +105,7 @@ def run_model(name, loss, params, batch, budgets, solvers, rows):
         flush=True,
     )
 
-    def add(policy, budget, c, plan_s, pred=None, solver_s=None):
+    def add(policy, budget, c, plan_s, pred=None, solver_s=None, origin=None):
         rows.append(
             {
                 "model": name,
@@ -116,6 +117,7 @@ def run_model(name, loss, params, batch, budgets, solvers, rows):
                 "predicted_temp_bytes": pred,
                 "plan_seconds": plan_s,
                 "solver_seconds": solver_s,
+                "origin": origin,
             }
         )
 
@@ -134,15 +136,18 @@ def run_model(name, loss, params, batch, budgets, solvers, rows):
         p.scans = cfg
         add(label, None, prog.compile(p), None)
     for solver in solvers:
+        # a program of its own: solve takes any cheaper plan compiled on its program, and the
+        # column must not show another solver's plans
+        own = Program(loss, (params, batch), 0)
         t0 = time.perf_counter()
-        planner = prog.planner(solver, 160)
+        planner = own.planner(solver, 160)
         m = len(planner.table.cuts)
         planner.plan(0.5 * planner.no_remat_peak())
         solver_s = time.perf_counter() - t0  # table + one solve, no compiles
         for b in budgets:
             t0 = time.perf_counter()
             try:
-                p = solve(prog, parse_budget(b), solver=solver, max_rounds=3)
+                p = solve(own, parse_budget(b), solver=solver, max_rounds=3)
             except jremat.InfeasibleBudgetError as e:
                 rows.append(
                     {
@@ -159,7 +164,7 @@ def run_model(name, loss, params, batch, budgets, solvers, rows):
                     }
                 )
                 continue
-            c = prog.compile(p)
+            c = own.compile(p)
             add(
                 f"jremat {solver}",
                 b,
@@ -167,6 +172,7 @@ def run_model(name, loss, params, batch, budgets, solvers, rows):
                 round(time.perf_counter() - t0, 2),
                 p.predicted_temp_bytes,
                 round(solver_s, 3),
+                p.solver,
             )
         print(f"  {solver}: {m} cuts, solver {solver_s:.2f} s", flush=True)
 
@@ -230,7 +236,13 @@ def summarize(rows, models):
                 elif r["temp_bytes"] is None:
                     cells.append("infeasible")
                 else:
-                    cells.append(f"{r['temp_fraction']:.2f} / {r['extra_flops_pct']:.2f}%")
+                    cell = f"{r['temp_fraction']:.2f} / {r['extra_flops_pct']:.2f}%"
+                    origin = r.get("origin") or ""
+                    if origin.startswith("mix:"):
+                        cell += " (mix)"
+                    elif "/" in origin:  # a built-in recipe, "policy/segmentation"
+                        cell += " (recipe)"
+                    cells.append(cell)
             ref = (
                 f"{best['policy']} {best['temp_fraction']:.2f} / {best['extra_flops_pct']:.2f}%"
                 if best
@@ -265,6 +277,7 @@ def main(argv=None) -> int:
         "predicted_temp_bytes",
         "plan_seconds",
         "solver_seconds",
+        "origin",
         "note",
     ]
     with open(os.path.join(args.out, "results.csv"), "w", newline="") as f:
@@ -276,7 +289,10 @@ def main(argv=None) -> int:
         f"# jremat benchmarks ({jax.__version__}, {jax.devices()[0].platform}, "
         f"{time.perf_counter() - t0:.0f} s)",
         "",
-        "Cells: compiled temp as a fraction of the unrematerialized program / extra FLOPs.",
+        "Cells: compiled temp as a fraction of the unrematerialized program / extra FLOPs; "
+        "(mix) or (recipe): the cheapest compiled plan that fit was a mix of built-in "
+        "policies or a built-in recipe, not the solver's own plan. Each solver planned on a "
+        "program of its own.",
         "",
         summarize(rows, names),
         "",

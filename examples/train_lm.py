@@ -75,7 +75,7 @@ def main() -> None:
     tp = jremat.plan_training(wl.loss, wl.params, wl.batch, budget=budget, optimizer=opt)
     print(tp.summary())
     print(f"(planned in {time.perf_counter() - t:.1f} s)")
-    assert plain_fp > budget >= tp.predicted_footprint_bytes
+    assert plain_fp > budget >= tp.compiled_footprint_bytes
 
 
 if __name__ == "__main__":

@@ -1,10 +1,12 @@
 """Every solver (chain, greedy, dtr, milp, auto) on the test models: exact gradients, compiled
-temp within the budget, the MILP at least as good as the heuristics on its model, plans that
-survive JSON, and unreachable budgets that state the smallest reachable one."""
+temp within the budget, a plan whose label names the solver it came from, plans that survive
+JSON, and unreachable budgets that state the smallest reachable one. The planners' answers on
+their own cost model are checked against exhaustive enumeration in
+test_planners_exhaustive.py."""
 
 from __future__ import annotations
 
-import math
+import re
 
 import jax
 import models as M  # noqa: E402  (tests/ is on sys.path via conftest)
@@ -15,79 +17,88 @@ import jremat
 from jremat._src.base.budget import parse_budget
 from jremat._src.compile.program import Program
 from jremat._src.plan.planners import PLANNERS
+from jremat._src.plan.recipes import ANCHOR_RECIPES
 from jremat._src.search.solve import solve
 
 SOLVERS = ["chain", "greedy", "dtr", "milp", "auto"]
-MODELS = ["mlp_chain", "decoder", "scan", "cond", "custom_vjp", "dropout"]
+#: A budget each model reaches (a fraction of its unrematerialized compiled temp); the test
+#: fails, rather than relaxing it, when a solver does not.
+BUDGETS = {
+    "mlp_chain": 0.6,
+    "decoder": 0.6,
+    "scan": 0.6,
+    "cond": 0.8,
+    "custom_vjp": 0.8,
+    "dropout": 0.8,
+}
+#: Models whose structure (layers, scans) the solvers plan differently: every solver runs on
+#: them. The others test how control flow, custom_vjp and RNG are rewritten, which every
+#: solver's plan goes through alike: the chain DP runs on them.
+EVERY_SOLVER = ["mlp_chain", "decoder", "scan"]
+#: "auto" is the MILP or the chain DP by graph size; besides the MLP it runs on the decoder and
+#: the scan in test_auto_never_recomputes_more_than_a_fitting_builtin and
+#: test_scan_plans_remat_the_loop_body.
+CASES = [(n, s) for n in EVERY_SOLVER for s in SOLVERS if s != "auto" or n == "mlp_chain"] + [
+    (n, "chain") for n in BUDGETS if n not in EVERY_SOLVER
+]
 
 
 @pytest.fixture(scope="module")
 def programs():
-    cache: dict[str, tuple[M.Model, Program]] = {}
+    """One `Program` per (model, solver): each solver's tests plan on a program of their own,
+    so that no other solver's compiled plans are there for `solve` to take."""
+    cache: dict[tuple[str, str], tuple[M.Model, Program]] = {}
 
-    def get(name: str):
-        if name not in cache:
+    def get(name: str, key: str = "chain"):
+        if (name, key) not in cache:
             m = M.MODELS[name]()
-            cache[name] = (m, Program(m.loss, m.args, 0))
-        return cache[name]
+            cache[name, key] = (m, Program(m.loss, m.args, 0))
+        return cache[name, key]
 
     return get
 
 
-@pytest.mark.parametrize("solver", SOLVERS)
-@pytest.mark.parametrize("name", MODELS)
+def origin(label: str, own: str) -> str:
+    """Where a plan `solve` returned comes from, by its label, when the planner it used is
+    named `own`: "solver" (the planner's own plan, or that plan with its loops rematerialized
+    or its peak segment split), "recipe" (a built-in policy per layer or sqrt(n) segments),
+    "mix" (a mix of those), "identity+scan" (only the loops rematerialized). Fails for
+    anything else, another planner's plan included."""
+    recipes = {f"{policy}/{seg}" for policy, seg in ANCHOR_RECIPES}
+    if re.fullmatch(rf"{own}(\+scan)?(\+split)?", label):
+        return "solver"
+    if label in recipes:
+        return "recipe"
+    if label.startswith("mix:"):
+        return "mix"
+    assert label == "identity+scan", (label, own)
+    return label
+
+
+@pytest.mark.parametrize(("name", "solver"), CASES)
 def test_solver_meets_budget_with_exact_gradients(programs, name, solver):
-    m, prog = programs(name)
+    m, prog = programs(name, solver)
     base = prog.baseline.temp_bytes
-    budget = 0.6
-    try:
-        plan = solve(prog, parse_budget(budget), solver=solver, max_rounds=2)
-    except jremat.InfeasibleBudgetError as e:
-        # the stated smallest reachable budget must hold
-        assert e.smallest_reachable > budget
-        plan = solve(prog, parse_budget(e.smallest_reachable), solver=solver, max_rounds=1)
-        budget = e.smallest_reachable
+    budget = BUDGETS[name]
+    plan = solve(prog, parse_budget(budget), solver=solver, max_rounds=2)
+    own = prog.planner(solver, 160).name  # "auto": the MILP up to AUTO_MILP_MAX_NODES
+    where = origin(plan.solver, own)
+    if name == "mlp_chain":
+        # no reference plan or mix beats the solver's own plan on the MLP at 0.6
+        assert (where, plan.solver) == ("solver", own)
+        assert 0 < plan.recompute_flops and prog.baseline.flops < plan.measured_flops
+    assert not plan.is_identity
     compiled = prog.compile(plan)
-    assert compiled.temp_bytes <= budget * base + 1
+    assert compiled.temp_bytes <= budget * base
     assert compiled.temp_bytes == plan.measured_temp_bytes
     got = jax.grad(jremat.rematerialize(m.loss, plan))(*m.args)
     want = jax.grad(m.loss)(*m.args)
     M.assert_trees_close(got, want, rtol=1e-5)
 
 
-@pytest.mark.parametrize("name", ["mlp_chain", "decoder"])
-def test_milp_objective_not_above_heuristics(programs, name):
-    _, prog = programs(name)
-    milp = PLANNERS["milp"](prog.graph, max_cuts=24, time_limit=math.inf)  # optimal, however slow
-    chain = PLANNERS["chain"](prog.graph, max_cuts=24)
-    greedy = PLANNERS["greedy"](prog.graph, max_cuts=24)
-    for frac in (0.35, 0.6, 0.85):
-        budget = frac * milp.no_remat_peak()
-        best = milp.plan(budget)
-        assert best is not None
-        assert best.predicted_temp_bytes <= budget + 1
-        for other in (chain.plan(budget), greedy.plan(budget)):
-            if other is not None:
-                assert best.recompute_flops <= other.recompute_flops * (1 + 1e-9) + 1
-
-
-@pytest.mark.parametrize("name", ["mlp_chain", "decoder"])
-def test_milp_proves_optimality_and_chain_is_within_5_percent(programs, name):
-    _, prog = programs(name)
-    # no time limit: whether HiGHS proves optimality must not depend on the machine's speed
-    milp = PLANNERS["milp"](prog.graph, max_cuts=24, time_limit=math.inf)
-    chain = PLANNERS["chain"](prog.graph, max_cuts=24)
-    for frac in (0.3, 0.6, 0.9):
-        budget = frac * milp.no_remat_peak()
-        best = milp.plan(budget)
-        assert milp.last_gap == pytest.approx(0.0, abs=1e-6), best.notes[-1]
-        dp = chain.plan(budget)
-        assert dp.recompute_flops <= 1.05 * best.recompute_flops + 1
-
-
 @pytest.mark.parametrize("solver", ["chain", "greedy", "dtr", "milp"])
 def test_plan_survives_json_round_trip(programs, solver):
-    m, prog = programs("mlp_chain")
+    m, prog = programs("mlp_chain", solver)
     plan = solve(prog, parse_budget(0.5), solver=solver, max_rounds=2)
     again = jremat.Plan.from_json(plan.to_json())
     assert again == plan
@@ -100,7 +111,7 @@ def test_plan_survives_json_round_trip(programs, solver):
 
 @pytest.mark.parametrize("solver", ["chain", "dtr"])
 def test_unreachable_budget_states_smallest_reachable(programs, solver):
-    _, prog = programs("mlp_chain")
+    _, prog = programs("mlp_chain", solver)
     with pytest.raises(jremat.InfeasibleBudgetError) as info:
         solve(prog, parse_budget(0.01), solver=solver, max_rounds=1)
     smallest = info.value.smallest_reachable
@@ -137,18 +148,18 @@ def test_model_only_smallest_budget_holds_in_the_model(name, budget):
 
 
 def test_auto_never_recomputes_more_than_a_fitting_builtin(programs):
-    _, prog = programs("decoder")
+    _, prog = programs("decoder", "auto")
     base = prog.baseline
     anchors = prog.anchors(prog.planner("auto", 160))
     for frac in (0.4, 0.7):
         plan = solve(prog, parse_budget(frac))
         fitting = [c.flops for p, c in anchors if c.temp_bytes <= frac * base.temp_bytes]
-        if fitting:
-            assert plan.measured_flops <= min(fitting)
+        assert fitting, frac  # a reference plan reaches both budgets
+        assert plan.measured_flops <= min(fitting)
 
 
 def test_scan_plans_remat_the_loop_body(programs):
-    m, prog = programs("scan")
+    m, prog = programs("scan", "auto")
     base = prog.baseline.temp_bytes
     plan = solve(prog, parse_budget(0.6))
     assert plan.measured_temp_bytes <= 0.6 * base
@@ -168,7 +179,7 @@ def test_dtr_evicts_more_under_a_tighter_budget(programs):
     tight = dtr.simulate(0.4 * peak)
     assert len(tight[0]) > len(loose[0])
     assert tight[1] >= loose[1]  # more recompute FLOPs
-    assert tight[2] <= 0.4 * peak * 1.001 or np.isclose(tight[2], 0.4 * peak, rtol=0.05)
+    assert loose[2] <= 0.9 * peak and tight[2] <= 0.4 * peak  # simulated peaks within budget
 
 
 def _describable_plans(prog: Program, planner) -> list:

@@ -337,6 +337,23 @@ def test_greedy_is_feasible_and_never_beats_the_optimum(ref):
     assert ref.evaluate(greedy.plan(ref.largest_peak))[1] == 0.0
 
 
+def test_greedy_recomputes_less_than_the_min_memory_plan_where_the_optimum_does(ref):
+    """Wherever a budget lets the optimum recompute less than the min-memory plan, greedy's
+    plan does too (a greedy that answered every budget with its floor or the min-memory plan
+    fails here), and it reaches the optimum at most of these budgets."""
+    greedy = _build(ref, "greedy")
+    _, floor_cost = ref.evaluate(greedy.min_memory_plan())
+    checked = optimal = 0
+    for budget in ref.budgets():
+        if ref.opt(budget) >= floor_cost or budget < ref.greedy_floor():
+            continue
+        _, cost = ref.evaluate(greedy.plan(budget))
+        assert cost < floor_cost, (budget, cost, floor_cost)
+        checked += 1
+        optimal += cost <= ref.opt(budget) + _rel(cost)
+    assert checked >= 5 and optimal >= checked - 2, (checked, optimal)
+
+
 #: DTR decides on its own simulated memory (value bytes, no cotangents or working set, no
 #: calibration), not on the segment model the budget is stated in: its plans can exceed the
 #: budget in the model, and below the model's smallest peak it still returns one.
@@ -360,6 +377,18 @@ def test_dtr_never_beats_the_optimum_when_it_fits(ref):
         assert got[1] >= ref.opt(budget) - _rel(got[1]), (budget, got, ref.opt(budget))
     assert fitting >= 2
     assert ref.evaluate(dtr.plan(ref.largest_peak))[0] <= ref.largest_peak
+
+
+def test_dtr_recomputes_less_as_the_budget_grows(ref):
+    """DTR's own recompute (its simulation's FLOPs) falls as the budget grows, to nothing at
+    twice the largest peak, where every layer keeps its residuals."""
+    dtr = _build(ref, "dtr")
+    flops = [p.recompute_flops for p in map(dtr.plan, ref.budgets()) if p is not None]
+    assert len(flops) >= 5 and flops == sorted(flops, reverse=True), flops
+    assert flops[0] > flops[-1]
+    roomy = dtr.plan(2 * ref.largest_peak)
+    assert roomy.recompute_flops == 0 and all(s.policy == KEEP for s in roomy.segments)
+    assert ref.evaluate(roomy) == (ref.no_remat_peak, 0.0)
 
 
 @DTR_MODEL_BUDGET

@@ -279,19 +279,19 @@ def test_every_preset_loads_and_its_policy_works_with_checkpoint(model, name):
     # what it saves of one layer (x @ w1 is 64x64 f32, 8 FLOPs/byte; tagged "query_proj")
     params, x, _ = model
     lines = not_args(saved(jax.checkpoint(_layer, policy=pol), x, params[0]))
-    if name in PRESET_SAVES:
-        want = PRESET_SAVES[name]
-        if want is None:  # everything: same as everything_saveable
-            want_lines = not_args(
-                saved(jax.checkpoint(_layer, policy=policies.everything_saveable), x, params[0])
-            )
-            assert lines == want_lines and lines
-        else:
-            assert [ln.split(" from ")[0] for ln in lines] == want, lines
+    assert name in PRESET_SAVES, f"add what preset {name!r} saves of _layer to PRESET_SAVES"
+    want = PRESET_SAVES[name]
+    if want is None:  # everything: same as everything_saveable
+        want_lines = not_args(
+            saved(jax.checkpoint(_layer, policy=policies.everything_saveable), x, params[0])
+        )
+        assert lines == want_lines and lines
+    else:
+        assert [ln.split(" from ")[0] for ln in lines] == want, lines
 
 
-#: What each shipped preset saves of `_layer` (None: everything). Presets added later are
-#: still checked for loading and exact gradients.
+#: What each shipped preset saves of `_layer` (None: everything); a preset added to the
+#: catalogue must be added here.
 PRESET_SAVES = {
     "dots": ["f32[64,64] output of dot_general"],
     "dots_no_batch": ["f32[64,64] output of dot_general"],

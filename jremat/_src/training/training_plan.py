@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
+import warnings
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
@@ -44,8 +45,9 @@ class TrainingPlan:
         axis 0) inside one step; 1 means no microbatching.
       plan: the rematerialization `jremat.Plan` of `loss_fn` on one microbatch
         (shapes `batch / k`), or None for no rematerialization.
-      predicted_footprint_bytes: compiled footprint of the chosen train step in bytes
+      compiled_footprint_bytes: compiled footprint of the chosen train step in bytes
         (argument + output - alias + temp, from `compiled.memory_analysis()`).
+        `predicted_footprint_bytes` is a deprecated alias (it is no prediction).
       flops: compiled FLOPs of the chosen train step (`cost_analysis()["flops"]`, loop
         bodies counted once per trip).
       alternatives: one dict per configuration considered, in the order compiled:
@@ -61,18 +63,31 @@ class TrainingPlan:
 
     num_microbatches: int
     plan: Plan | None
-    predicted_footprint_bytes: int
+    compiled_footprint_bytes: int
     flops: float
     alternatives: list[dict[str, Any]]
     value_and_grad: Callable[[Any, Any], tuple[Any, Any]]
     budget_bytes: int = 0
+
+    @property
+    def predicted_footprint_bytes(self) -> int:
+        """Deprecated alias of `compiled_footprint_bytes` (a compiled figure, not a prediction).
+
+        Warns with `DeprecationWarning`."""
+        warnings.warn(
+            "TrainingPlan.predicted_footprint_bytes is deprecated: the figure is compiled, not "
+            "predicted; use TrainingPlan.compiled_footprint_bytes",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return self.compiled_footprint_bytes
 
     def summary(self) -> str:
         """A few human-readable lines: the choice and every alternative."""
         remat = "none" if self.plan is None else f"budget {self.plan.budget}"
         lines = [
             f"TrainingPlan: k={self.num_microbatches}, remat={remat}, footprint "
-            f"{self.predicted_footprint_bytes:,} B <= budget {self.budget_bytes:,} B, "
+            f"{self.compiled_footprint_bytes:,} B (compiled) <= budget {self.budget_bytes:,} B, "
             f"{self.flops:,.0f} FLOPs"
         ]
         for a in self.alternatives:
@@ -306,7 +321,7 @@ def plan_training(
     return TrainingPlan(
         num_microbatches=k,
         plan=p,
-        predicted_footprint_bytes=fp,
+        compiled_footprint_bytes=fp,
         flops=flops,
         alternatives=alternatives,
         value_and_grad=_value_and_grad(loss_fn, k, p),
