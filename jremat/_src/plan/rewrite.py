@@ -16,6 +16,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from jremat import policies
 from jremat._src.base import compat as _compat
+from jremat._src.base.args import check_flag, check_loss_output
 from jremat._src.base.errors import PlanMismatchError
 from jremat._src.plan.offload import offload_policy
 from jremat._src.plan.plan import KEEP, SAVE_NAMES, Plan, ScanPiece, ScanSetting, Segment
@@ -351,7 +352,7 @@ def check_value_ids(graph: Graph, plan: Plan) -> None:
 
 
 def rematerialize(
-    fn: Callable[..., Any], plan: Plan, *, prevent_cse: bool = True
+    fn: Callable[..., Any], plan: Plan, *, prevent_cse: bool = True, has_aux: bool = False
 ) -> Callable[..., Any]:
     """Return `fn` with its backward pass following `plan`.
 
@@ -370,9 +371,14 @@ def rematerialize(
         recompute back into the forward pass. False is honoured inside a loop body (or where
         that cannot be told); called at the top level (eagerly or under `jit`/`grad`) it runs
         with True, as the plan was verified, and warns (`RuntimeWarning`).
+      has_aux: `fn` returns `(loss, aux)` and the plan was made with `jremat.plan(...,
+        has_aux=True)`; the returned function returns the same pair, for
+        `jax.value_and_grad(..., has_aux=True)`. Each new signature's output is checked to be
+        such a pair. Default False: the outputs are returned as `fn` returns them.
 
     Raises:
-      TypeError: `plan` is not a `jremat.Plan`.
+      TypeError: `plan` is not a `jremat.Plan`; `has_aux` not a bool; at call time, with
+        `has_aux`, `fn` does not return a pair whose first element is a scalar float loss.
       ValueError: the plan's segments do not tile its equations or have fields of the wrong
         type, or its `scans` entries are malformed (`Plan.validate`).
       PlanMismatchError (a ValueError), at call time: the call's program differs from the one
@@ -384,6 +390,7 @@ def rematerialize(
     if not isinstance(plan, Plan):
         raise TypeError(f"plan must be a jremat.Plan, got {type(plan).__name__}")
     plan.validate()
+    has_aux = check_flag("has_aux", has_aux)
     if plan.is_identity:
         return fn
     graphs: dict[Any, Graph] = {}
@@ -403,6 +410,8 @@ def rematerialize(
                     "Make a new plan for these "
                     "arguments (jremat.plan), or use jremat.auto, which re-plans per signature."
                 )
+            if has_aux:
+                check_loss_output(graph.out_shape, has_aux=True)
             if not _holds_tracers(graph):
                 graphs[key] = graph
         outs = run_graph(graph, plan, jax.tree_util.tree_leaves(args), prevent_cse=prevent_cse)

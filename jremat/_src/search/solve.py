@@ -56,6 +56,7 @@ def plan(
     in_shardings: Any = None,
     mesh: Any = None,
     graph: Graph | None = None,
+    has_aux: bool = False,
 ) -> Plan:
     """Plan the rematerialization of `fn` under a memory budget.
 
@@ -66,7 +67,8 @@ def plan(
     `jremat.auto` is), the program is the per-device body, compiled over the same mesh axes.
 
     Args:
-      fn: returns a scalar floating-point loss; positional array/pytree arguments.
+      fn: returns a scalar floating-point loss (or `(loss, aux)` with `has_aux`); positional
+        array/pytree arguments.
       *args: example arguments (arrays or `jax.ShapeDtypeStruct`s).
       budget: a float in (0, 1] (fraction of the unrematerialized compiled temp bytes), an int
         (footprint bytes), a string such as "512MiB"/"8GB", or "auto" (see `jremat.parse_budget`);
@@ -104,6 +106,10 @@ def plan(
         (of the arguments as `in_shardings`/`mesh` shard them), so that it is not traced again
         (as `jremat.auto` passes it); None (default): traced here. A graph of another program
         raises `jremat.PlanMismatchError` when the plan runs.
+      has_aux: `fn` returns a pair `(loss, aux)`, aux any pytree of arrays (metrics, updated
+        batch statistics), as in `jax.value_and_grad(fn, has_aux=True)`: the step planned and
+        verified is `jit(value_and_grad(fn, has_aux=True))`, which computes both. Default
+        False.
 
     Returns:
       A `Plan`; `Plan.identity` when the budget is at or above the unrematerialized program.
@@ -113,7 +119,9 @@ def plan(
         `max_rounds` or `max_cuts` below 1.
       InfeasibleBudgetError: no plan reaches the budget; states the smallest reachable budget
         in the caller's unit.
-      TypeError: `fn` does not return a scalar float, or `argnums` selects no float input;
+      TypeError: `fn` does not return a scalar float (with `has_aux`, a pair whose first
+        element is one; a pair returned without `has_aux` names it), or `argnums` selects no
+        float input; `has_aux` not a bool;
         `in_shardings` (or an entry's leaf) or `mesh` of another type; `offload` is not one of
         the accepted forms; `verify` not a bool; `max_rounds` or `max_cuts` not an int (a
         bool included).
@@ -126,7 +134,9 @@ def plan(
     verify = check_flag("verify", verify)
     max_rounds = check_count("max_rounds", max_rounds)
     max_cuts = check_count("max_cuts", max_cuts)
-    prog = Program(fn, args, argnums, in_shardings=in_shardings, mesh=mesh, graph=graph)
+    prog = Program(
+        fn, args, argnums, in_shardings=in_shardings, mesh=mesh, graph=graph, has_aux=has_aux
+    )
     return solve(
         prog,
         spec,
