@@ -137,7 +137,8 @@ def check_loss_output(out: Any, has_aux: bool = False) -> None:
         )
         raise TypeError(
             "with has_aux=True, fn must return a pair (loss, aux): a scalar floating-point loss "
-            f"and any pytree of arrays (as jax.value_and_grad(fn, has_aux=True)); fn returned {got}."
+            "and any pytree of arrays (as jax.value_and_grad(fn, has_aux=True)); fn returned "
+            f"{got}."
         )
     if is_loss(out):
         return

@@ -33,9 +33,9 @@ class AutoOptions:
 
     Raises:
       ValueError: an invalid budget or solver; `max_rounds` below 1.
-      TypeError: `verify` or `has_aux` not a bool; `max_rounds` not an int (a bool included); `mesh` not a
-        Mesh or None; `in_shardings` not one of its accepted forms; `offload` not None, a
-        bool or a `jremat.OffloadCost`.
+      TypeError: `verify` or `has_aux` not a bool; `max_rounds` not an int (a bool included);
+        `mesh` not a Mesh or None; `in_shardings` not one of its accepted forms; `offload`
+        not None, a bool or a `jremat.OffloadCost`.
     """
 
     budget: Any = 0.5
