@@ -263,6 +263,61 @@ def run_graph(graph: Graph, plan: Plan, flat_args: Sequence[Any], *, prevent_cse
     return [x.val if is_literal(x) else env[x] for x in graph.outvars]
 
 
+def drop_unkept_names(graph: Graph, plan: Plan) -> Plan:
+    """Remove from each segment's `saved` and `offloaded` the values `jax.checkpoint` does not
+    keep; returns `plan`, edited in place.
+
+    A planner names every value its save option selects (`saved_values`), but the
+    checkpoint keeps as residuals only those its backward pass reads (a VJP rule's operands,
+    the inputs of what it recomputes); a name on any other value changes nothing in the
+    program, and a report listing it would count bytes the compiled program never holds
+    (their bytes leave the segment's predicted `stored_bytes` too)
+    (docs/design.md#what-a-plan-saves). Each named segment is traced on its own (abstractly:
+    `jax.vjp` of the checkpointed segment, differentiated where the program is) and its
+    names read off the residuals JAX keeps. A segment that cannot be traced alone (collectives
+    over a `shard_map`'s axes) keeps its names.
+    """
+    tangent = _tangent_values(graph)
+    for seg in plan.segments:
+        if seg.policy != SAVE_NAMES or not (seg.saved or seg.offloaded):
+            continue
+        live_in, live_out = segment_io(graph, seg)
+        nodes = graph.nodes[seg.start : seg.end]
+        tag = {v: residual_name(v) for v in [*seg.saved, *seg.offloaded]}
+
+        def seg_fn(*ins, nodes=nodes, live_in=live_in, live_out=live_out, tag=tag):
+            local = dict(zip(live_in, ins, strict=True))
+            _eval_nodes(nodes, local, tag, plan.scans)
+            return [local[o] for o in live_out]
+
+        avals = [
+            jax.ShapeDtypeStruct(graph.values[v].shape, graph.values[v].dtype) for v in live_in
+        ]
+        diff = [v in tangent and graph.values[v].is_float for v in live_in]
+        policy = jax.checkpoint_policies.save_only_these_names(*tag.values())
+        try:
+            kept = _compat.residual_names(jax.checkpoint(seg_fn, policy=policy), avals, diff)
+        except Exception:  # noqa: BLE001 - e.g. a collective over an unbound axis: names kept
+            continue
+        if kept is None:
+            continue
+        dropped = [v for v in seg.saved if residual_name(v) not in kept]
+        seg.saved = [v for v in seg.saved if residual_name(v) in kept]
+        seg.offloaded = [v for v in seg.offloaded if residual_name(v) in kept]
+        # the model counted the saved values it thought the backward reads
+        seg.stored_bytes = max(0, seg.stored_bytes - sum(graph.values[v].nbytes for v in dropped))
+    return plan
+
+
+def _tangent_values(graph: Graph) -> set[int]:
+    """Value ids that depend on a differentiated argument (their tangents are not zero)."""
+    out = {v for v, d in zip(graph.invars, graph.diff_invars, strict=True) if d}
+    for node in graph.nodes:
+        if any(not is_literal(x) and x in out for x in node.inputs):
+            out.update(node.outputs)
+    return out
+
+
 def _nested_custom_jvp(eqns: Sequence[Any], depth: int = 0) -> bool:
     """Whether a `custom_jvp_call` sits inside a control-flow body (scan, cond, while...)."""
     for eqn in eqns:

@@ -21,6 +21,7 @@ from jremat._src.base.errors import InfeasibleBudgetError
 from jremat._src.compile.program import Compiled, Program
 from jremat._src.plan.offload import OffloadCost, host_offload_effective, parse_offload
 from jremat._src.plan.plan import Plan, plan_key
+from jremat._src.plan.rewrite import drop_unkept_names
 from jremat._src.search import mixing, refine
 from jremat._src.trace.graph import Graph
 
@@ -321,6 +322,7 @@ FLOOR_LADDER = (1.03, 1.08, 1.15)
 
 
 def _finish(p: Plan, meta: dict, solver: str, graph: Graph) -> Plan:
+    drop_unkept_names(graph, p)  # reports list only what the compiled program keeps
     p.annotate(graph)
     if p.offloaded_bytes and p.measured_temp_bytes is None and not host_offload_effective():
         p.notes.append(
