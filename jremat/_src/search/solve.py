@@ -19,6 +19,7 @@ from jremat._src.base.args import check_count, check_flag
 from jremat._src.base.budget import Budget, parse_budget
 from jremat._src.base.errors import InfeasibleBudgetError
 from jremat._src.compile.program import Compiled, Program
+from jremat._src.compile.xla import step_grad
 from jremat._src.plan.offload import OffloadCost, host_offload_effective, parse_offload
 from jremat._src.plan.plan import Plan, plan_key
 from jremat._src.plan.rewrite import drop_unkept_names
@@ -113,7 +114,9 @@ def plan(
         False.
 
     Returns:
-      A `Plan`; `Plan.identity` when the budget is at or above the unrematerialized program.
+      A `Plan`; `Plan.identity` when the budget is at or above the unrematerialized program,
+      or when it is a fraction >= 1 and JAX cannot build `fn`'s reverse derivative (a
+      `while_loop` with dynamic bounds, used only forward: nothing to plan).
 
     Raises:
       ValueError: an invalid budget (names the accepted forms) or unknown solver;
@@ -126,6 +129,8 @@ def plan(
         `in_shardings` (or an entry's leaf) or `mesh` of another type; `offload` is not one of
         the accepted forms; `verify` not a bool; `max_rounds` or `max_cuts` not an int (a
         bool included).
+      ValueError: JAX cannot build `fn`'s reverse derivative and the budget is not a
+        fraction >= 1 (the message quotes JAX's reason and names budget=1.0).
       ValueError (sharding): `in_shardings` does not match the arguments, a `PartitionSpec`
         without a mesh, or a mesh needing more devices than exist (docs/design.md#sharding).
     """
@@ -169,7 +174,10 @@ def solve(
             return c.flops
         return math.inf if offload is None else c.flops + offload.transfer_flops(p.offloaded_bytes)
 
-    base = prog.baseline
+    try:
+        base = prog.baseline
+    except Exception as e:  # noqa: BLE001 - re-raised unless fn has no reverse derivative
+        return _no_reverse_derivative(prog, spec, e)
     target = spec.temp_bytes(base.temp_bytes, base.fixed_bytes)
     meta = dict(budget=spec.raw, budget_temp_bytes=int(target) if target > 0 else 0)
     if target >= base.temp_bytes:
@@ -332,6 +340,35 @@ def _finish(p: Plan, meta: dict, solver: str, graph: Graph) -> Plan:
     p.budget, p.budget_temp_bytes = meta["budget"], meta["budget_temp_bytes"]
     p.notes.append(f"solver={solver!r}")
     return p
+
+
+def _no_reverse_derivative(prog: Program, spec: Budget, error: Exception) -> Plan:
+    """The plan of a program whose reverse derivative JAX cannot trace (a `while_loop` with
+    dynamic bounds, a callback without a VJP), used only forward (`jax.linearize`, `jvp`):
+    there is no backward pass to plan, so a budget that asks for nothing to change (a fraction
+    >= 1) gets the identity plan (the function runs unchanged), and any other raises.
+
+    Raises:
+      the compile's own error, when the reverse derivative traces (another fault);
+      ValueError: naming the budget and JAX's reason, for a budget below 1.
+    """
+    try:
+        jax.eval_shape(step_grad(prog.fn, prog.nums, prog.has_aux), *prog.args)
+    except Exception as reason:  # noqa: BLE001 - JAX's reason, quoted below
+        if spec.fraction is not None and spec.fraction >= 1:
+            p = Plan.identity(prog.graph, budget=spec.raw, budget_temp_bytes=None)
+            p.notes.append(
+                "no reverse derivative (jax.value_and_grad fails: "
+                f"{str(reason).splitlines()[0]}): nothing to plan, fn runs unchanged"
+            )
+            return p.annotate(prog.graph)
+        raise ValueError(
+            f"budget={spec.raw!r}: jremat plans the backward pass of jax.value_and_grad(fn), "
+            f"which JAX cannot build for this fn ({str(reason).splitlines()[0]}). Used only "
+            "forward (jax.linearize, jax.jvp) there is nothing to rematerialize: pass "
+            "budget=1.0 to run fn unchanged."
+        ) from None
+    raise error
 
 
 def _raise_infeasible(spec: Budget, prog: Program, compiled: list[tuple[Plan, Compiled]]):
