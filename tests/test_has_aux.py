@@ -57,7 +57,7 @@ def check_runs_as_verified(f, plan, args, reference):
 @pytest.fixture(scope="module")
 def aux_plan(chain):
     loss, args = chain
-    return jremat.plan(loss, *args, budget=BUDGET, has_aux=True, solver="chain")
+    return jremat.plan(loss, *args, budget=BUDGET, has_aux=True, solver="chain", max_rounds=1)
 
 
 def test_plan_and_rematerialize_with_aux(chain, aux_plan, reference):
@@ -68,7 +68,7 @@ def test_plan_and_rematerialize_with_aux(chain, aux_plan, reference):
 
 def test_auto_with_aux(chain, aux_plan, reference):
     loss, args = chain
-    f = jremat.auto(loss, budget=BUDGET, has_aux=True, solver="chain")
+    f = jremat.auto(loss, budget=BUDGET, has_aux=True, solver="chain", max_rounds=1)
     jax.eval_shape(jax.value_and_grad(f, has_aux=True), *args)  # plans at the first call
     (p,) = f.plans.values()
     assert p.fingerprint == aux_plan.fingerprint

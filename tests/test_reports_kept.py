@@ -37,7 +37,11 @@ def planned():
         for i in range(3)
     ]
     args = (params, jax.random.normal(k[6], (128, 16)))
-    return jremat.plan(loss, *args, budget=0.7, solver="chain"), jremat.trace(loss, *args), args
+    return (
+        jremat.plan(loss, *args, budget=0.7, solver="chain", max_rounds=1),
+        jremat.trace(loss, *args),
+        args,
+    )
 
 
 def named_residuals(f, args, capsys) -> dict[str, int]:
