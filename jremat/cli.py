@@ -133,21 +133,7 @@ def main(argv: list[str] | None = None) -> int:
         args = parser.parse_args(argv)
     except SystemExit as e:  # argparse printed the usage error (or --help)
         return int(e.code or 0)
-    _show_progress()
     return _compare(args)
-
-
-def _show_progress() -> None:
-    """Planning stages (trace, compiles, rounds, with seconds) on stderr: the "jremat" logger
-    at INFO, unless the caller configured it already."""
-    log = logging.getLogger("jremat")
-    if log.level == logging.NOTSET and not any(
-        not isinstance(h, logging.NullHandler) for h in log.handlers
-    ):
-        handler = logging.StreamHandler(sys.stderr)
-        handler.setFormatter(logging.Formatter("jremat: %(message)s"))
-        log.addHandler(handler)
-        log.setLevel(logging.INFO)
 
 
 @contextlib.contextmanager

@@ -108,6 +108,26 @@ def test_program_without_equations_runs_unchanged(budget):
         assert jremat.Plan.from_json(p.to_json()) == p
 
 
+def forward_only_loss(w, x):
+    """A `while_loop` with a dynamic trip count: JAX has no reverse derivative of it."""
+    n = jnp.sum(x > 0).astype(jnp.int32)
+    _, y = jax.lax.while_loop(lambda c: c[0] < n, lambda c: (c[0] + 1, jnp.tanh(c[1] @ w)), (0, x))
+    return jnp.mean(y**2)
+
+
+def test_program_without_reverse_derivative_runs_unchanged_at_budget_one():
+    """Used only under `jax.linearize`, there is no backward pass to plan: budget 1.0 returns
+    the function unchanged; a budget below 1 names the reason and budget=1.0."""
+    w, x = jnp.eye(4) * 0.5, jnp.ones((2, 4))
+    f = jremat.auto(forward_only_loss, budget=1.0)
+    chex.assert_trees_all_close(
+        jax.linearize(f, w, x)[1](w, x), jax.linearize(forward_only_loss, w, x)[1](w, x)
+    )
+    assert only_plan(f).is_identity
+    with pytest.raises(ValueError, match=r"budget=0\.5: .*while_loop.*budget=1\.0"):
+        jremat.plan(forward_only_loss, w, x, budget=0.5)
+
+
 # -- custom_jvp with a traced nondiff argument inside a scan -----------------------------------
 def test_custom_jvp_nondiff_array_in_scan_is_named():
     import functools

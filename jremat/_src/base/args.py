@@ -101,14 +101,55 @@ def check_differentiable(args: Sequence[Any], argnums: tuple[int, ...]) -> None:
             )
 
 
-def check_scalar_output(fn: Callable[..., Any], args: Sequence[Any]) -> None:
-    out = jax.eval_shape(fn, *args)
-    leaves = jax.tree_util.tree_leaves(out)
-    ok = len(leaves) == 1 and leaves[0].shape == () and _compat.is_float_dtype(leaves[0].dtype)
-    if not ok:
-        shapes = [f"{x.dtype}{list(x.shape)}" for x in leaves]
-        raise TypeError(
-            "jremat needs fn to return a scalar floating-point loss (it compiles "
-            f"jax.value_and_grad(fn)); fn returned {shapes or 'no arrays'}. Reduce the output "
-            "(for example with .mean()) or wrap fn in a loss."
+def check_scalar_output(fn: Callable[..., Any], args: Sequence[Any], has_aux: bool = False) -> None:
+    """Check `fn(*args)` returns what `jax.value_and_grad(fn, has_aux=has_aux)` takes (traced
+    abstractly, `check_loss_output`)."""
+    check_loss_output(jax.eval_shape(fn, *args), has_aux)
+
+
+def check_loss_output(out: Any, has_aux: bool = False) -> None:
+    """Check a function's output (a pytree of arrays or `jax.ShapeDtypeStruct`s) is a scalar
+    floating-point loss, or with `has_aux` a pair `(loss, aux)` of such a loss and any pytree.
+
+    Raises:
+      TypeError: anything else; the message names `has_aux` where the output is a pair (or
+        `has_aux=True` was given) and says what was returned.
+    """
+
+    def describe(tree: Any) -> str:
+        shapes = [f"{x.dtype}{list(x.shape)}" for x in jax.tree_util.tree_leaves(tree)]
+        return ", ".join(shapes) if shapes else "no arrays"
+
+    def is_loss(x: Any) -> bool:
+        leaves = jax.tree_util.tree_leaves(x)
+        return (
+            len(leaves) == 1 and leaves[0].shape == () and _compat.is_float_dtype(leaves[0].dtype)
         )
+
+    pair = isinstance(out, (tuple, list)) and len(out) == 2
+    if has_aux:
+        if pair and is_loss(out[0]):
+            return
+        got = (
+            f"a pair whose first element is {describe(out[0])}"
+            if pair
+            else f"{type(out).__name__} of {describe(out)}"
+        )
+        raise TypeError(
+            "with has_aux=True, fn must return a pair (loss, aux): a scalar floating-point loss "
+            "and any pytree of arrays (as jax.value_and_grad(fn, has_aux=True)); fn returned "
+            f"{got}."
+        )
+    if is_loss(out):
+        return
+    hint = (
+        " It returned a pair: if that is (loss, aux), with metrics or updated state as aux, "
+        "pass has_aux=True."
+        if pair
+        else " Reduce the output (for example with .mean()) or wrap fn in a loss."
+    )
+    raise TypeError(
+        "jremat needs fn to return a scalar floating-point loss (it compiles "
+        f"jax.value_and_grad(fn)), or (loss, aux) with has_aux=True; fn returned "
+        f"[{describe(out)}].{hint}"
+    )

@@ -251,3 +251,31 @@ def shape_dtype(x: Any, shape: Any = None, manual: Any = None, **kw: Any) -> Any
     if manual is not None:
         kw["manual_axis_type"] = manual
     return jax.ShapeDtypeStruct(x.shape if shape is None else shape, x.dtype, **kw)
+
+
+def residual_names(fn: Any, avals: Sequence[Any], diff: Sequence[bool]) -> set[str] | None:
+    """The `checkpoint_name`s of the values `jax.vjp` of `fn` keeps as residuals, `fn`
+    differentiated at the arguments `diff` marks (the others held fixed), traced abstractly
+    at `avals`; None where this JAX cannot say (JAX's own `saved_residuals` reading, private:
+    `jax.ad_checkpoint.print_saved_residuals` prints the same)."""
+    try:
+        from jax._src.ad_checkpoint import _saved_residuals
+    except ImportError:  # pragma: no cover - a JAX without it: the names stay unfiltered
+        return None
+
+    def residuals(*flat: Any) -> Any:
+        fixed = iter([x for x, d in zip(flat, diff, strict=True) if not d])
+
+        def of_diff(*ds: Any) -> Any:
+            it = iter(ds)
+            return fn(*[next(it) if d else next(fixed) for d in diff])
+
+        _, pullback = jax.vjp(of_diff, *[x for x, d in zip(flat, diff, strict=True) if d])
+        return pullback
+
+    closed_jaxpr, out = jax.make_jaxpr(residuals, return_shape=True)(*avals)
+    jaxpr = closed_jaxpr.jaxpr
+    n_res = len(jax.tree_util.tree_leaves(out))
+    jaxpr = jaxpr.replace(outvars=jaxpr.outvars[len(jaxpr.outvars) - n_res :])
+    found = _saved_residuals(jaxpr, [""] * len(jaxpr.invars))
+    return {d.split("'")[1] for _, d in found if d.startswith("named '")}

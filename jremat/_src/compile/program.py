@@ -20,7 +20,13 @@ from typing import Any
 
 import jax
 
-from jremat._src.base.args import check_differentiable, check_scalar_output, normalize_argnums
+from jremat._src.base.args import (
+    check_differentiable,
+    check_flag,
+    check_loss_output,
+    check_scalar_output,
+    normalize_argnums,
+)
 from jremat._src.base.sharding import arg_mesh, manual_axes, shard_args
 from jremat._src.compile.xla import MemoryFigures, compile_figures
 from jremat._src.plan.offload import OffloadCost, host_offload_effective, offload_proxy, offloads
@@ -101,21 +107,24 @@ class Program:
         mesh: Any = None,
         graph: Graph | None = None,
         objective: Objective | None = None,
+        has_aux: bool = False,
     ):
         """`graph`: `fn` already traced at these arguments (`build_graph`), reused instead of
-        tracing it again; its outputs are checked to be a scalar float loss."""
+        tracing it again; its outputs are checked to be a scalar float loss, or with `has_aux`
+        a pair `(loss, aux)` (the step compiled is then `value_and_grad(fn, has_aux=True)`)."""
         if not callable(fn):
             raise TypeError(f"fn must be a callable, got {type(fn).__name__}")
         self.fn = fn
+        self.has_aux = check_flag("has_aux", has_aux)
         self.nums = normalize_argnums(argnums, len(args))
         # shapes, dtypes and the sharding each argument runs under (base/sharding.py)
         self.args = shard_args(args, in_shardings, mesh)
         check_differentiable(self.args, self.nums)
         if graph is None:
-            check_scalar_output(fn, self.args)
+            check_scalar_output(fn, self.args, self.has_aux)
             graph = build_graph(fn, self.args, self.nums)
         else:  # checked on the traced outputs' shapes: fn is not traced again
-            check_scalar_output(lambda out: out, (graph.out_shape,))
+            check_loss_output(graph.out_shape, self.has_aux)
         self.graph: Graph = graph
         #: inside a shard_map body: its mesh axes, bound when compiling (see compile_step)
         self.manual_axes = manual_axes()
@@ -214,7 +223,12 @@ class Program:
         argnums, inside a `shard_map` body under its mesh axes (`compile_figures`). Not
         memoized: `step` memoizes plans."""
         return compile_figures(
-            f, self.args, self.nums, manual_axes=self.manual_axes, scan_flops=scan_flops
+            f,
+            self.args,
+            self.nums,
+            manual_axes=self.manual_axes,
+            scan_flops=scan_flops,
+            has_aux=self.has_aux,
         )
 
     @property

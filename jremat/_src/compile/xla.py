@@ -58,11 +58,19 @@ class MemoryFigures:
         )
 
 
-def compile_step(fn: Callable[..., Any], args: Sequence[Any], argnums: tuple[int, ...]) -> Any:
-    """Lower and compile `jit(value_and_grad(fn, argnums))` for `args` (arrays or avals, whose
-    shardings it compiles under: `memory_analysis()` is then per device)."""
+def compile_step(
+    fn: Callable[..., Any], args: Sequence[Any], argnums: tuple[int, ...], has_aux: bool = False
+) -> Any:
+    """Lower and compile `jit(value_and_grad(fn, argnums, has_aux))` for `args` (arrays or
+    avals, whose shardings it compiles under: `memory_analysis()` is then per device)."""
+    return compile_jitted(jax.jit(step_grad(fn, argnums, has_aux)), args)
+
+
+def step_grad(fn: Callable[..., Any], argnums: tuple[int, ...], has_aux: bool = False) -> Any:
+    """`jax.value_and_grad(fn, argnums, has_aux=has_aux)`: the training step jremat compiles
+    (with `has_aux`, `fn` returns `(loss, aux)` and the step computes both)."""
     nums = argnums[0] if len(argnums) == 1 else argnums
-    return compile_jitted(jax.jit(jax.value_and_grad(fn, argnums=nums)), args)
+    return jax.value_and_grad(fn, argnums=nums, has_aux=has_aux)
 
 
 def step_flops(
@@ -73,6 +81,7 @@ def step_flops(
     *,
     scan_flops: bool = True,
     spmd: bool = True,
+    has_aux: bool = False,
 ) -> float:
     """FLOPs of `compile_step(fn, args, argnums)`'s `executable`: XLA's count plus, when
     `scan_flops`, every scan body once more per extra trip (`scan_flops_correction`).
@@ -83,7 +92,7 @@ def step_flops(
     """
     flops = xla_flops(executable)
     if scan_flops:
-        extra = scan_flops_correction(fn, args, argnums)
+        extra = scan_flops_correction(fn, args, argnums, has_aux)
         flops += extra / _num_devices(executable) if spmd else extra
     return flops
 
@@ -95,6 +104,7 @@ def compile_figures(
     *,
     manual_axes: dict[str, int] | None = None,
     scan_flops: bool = True,
+    has_aux: bool = False,
 ) -> tuple[Any, float]:
     """`compile_step` and its FLOPs (scan bodies counted once per trip, when `scan_flops`).
 
@@ -105,8 +115,9 @@ def compile_figures(
     """
 
     def run(f: Callable[..., Any], a: Sequence[Any], spmd: bool) -> tuple[Any, float]:
-        exe = compile_step(f, a, argnums)
-        return exe, step_flops(exe, f, a, argnums, scan_flops=scan_flops, spmd=spmd)
+        exe = compile_step(f, a, argnums, has_aux)
+        flops = step_flops(exe, f, a, argnums, scan_flops=scan_flops, spmd=spmd, has_aux=has_aux)
+        return exe, flops
 
     if not manual_axes:
         return run(fn, args, True)
@@ -128,15 +139,16 @@ def xla_flops(compiled: Any) -> float:
     return float((cost or {}).get("flops", 0.0))
 
 
-def scan_flops_correction(fn: Callable[..., Any], args: Sequence[Any], nums: tuple[int, ...]):
+def scan_flops_correction(
+    fn: Callable[..., Any], args: Sequence[Any], nums: tuple[int, ...], has_aux: bool = False
+):
     """FLOPs XLA's count misses because it counts each scan body once, not once per trip.
 
     Each scan body in the differentiated program is compiled on its own and its FLOPs are
     added (length - 1) more times (nested scans recursively). `while` loops have no static
     trip count and stay counted once.
     """
-    nums_arg = nums[0] if len(nums) == 1 else nums
-    closed_jaxpr = jax.make_jaxpr(jax.value_and_grad(fn, argnums=nums_arg))(*args)
+    closed_jaxpr = jax.make_jaxpr(step_grad(fn, nums, has_aux))(*args)
     cache: dict[int, float] = {}
     return jaxpr_scan_correction(_compat.closed(closed_jaxpr)[0], cache)
 

@@ -47,6 +47,7 @@ def auto(
     in_shardings: Any = None,
     mesh: Any = None,
     offload: Any = None,
+    has_aux: bool = False,
 ) -> Any:
     """Rematerialize a function or a Flax module automatically under a memory budget.
 
@@ -122,6 +123,11 @@ def auto(
       offload: host offload as in `jremat.plan`: None (default) never offloads; True or a
         `jremat.OffloadCost(host_bandwidth=bytes/s, device_flops=FLOP/s)` lets segments move
         residuals to pinned host memory where the transfer is cheaper than recomputing.
+      has_aux: plain loss functions: `fn` returns a pair `(loss, aux)`, aux any pytree of
+        arrays (metrics, updated batch statistics), for `jax.value_and_grad(...,
+        has_aux=True)`; the step planned and verified is `jit(value_and_grad(fn,
+        has_aux=True))`, which computes both. Default False (then a returned pair raises a
+        TypeError naming `has_aux`). Flax targets return any outputs already and refuse it.
 
     Returns:
       For a function, the wrapped function: `wrapper.plans` maps signatures to their `Plan`
@@ -135,14 +141,18 @@ def auto(
       TypeError: `offload` is not None, a bool or a `jremat.OffloadCost`; `mesh` is not a
         Mesh or None; `in_shardings` is not one of its accepted forms (checked here, before
         any call; whether it matches the arguments is checked at the first call).
-      TypeError: `verify` is not a bool, or `max_rounds` not an int (a bool included).
+      TypeError: `verify` or `has_aux` is not a bool, or `max_rounds` not an int (a bool
+        included); `has_aux=True` for a Flax target (at decoration, or at the first call of a
+        function of modules).
       ValueError: an invalid budget or solver; `max_rounds` below 1; static_argnums out of
         range, naming `self`, or naming a parameter that received an unhashable value (the
         message names the argument and how `self` is counted).
       InfeasibleBudgetError: at the first call of a signature whose budget is unreachable.
       ValueError: at the first call inside `jax.jit` on sharded (Auto mode) tracers without
         `in_shardings` (above).
-      TypeError: at a call with a non-array argument that is unhashable, or at `argnums`.
+      TypeError: at a call with a non-array argument that is unhashable, or at `argnums`;
+        at the first call of a signature, when `fn` does not return a scalar float loss (with
+        `has_aux`, a pair whose first element is one).
     """
     options = AutoOptions(
         budget=budget,
@@ -160,6 +170,7 @@ def auto(
         in_shardings=in_shardings,
         mesh=mesh,
         offload=offload,
+        has_aux=has_aux,
     )
     if fn is None:
         return functools.partial(_auto_target, options=options)
@@ -169,6 +180,8 @@ def auto(
 def _auto_target(fn: Any, options: AutoOptions) -> Any:
     """`jremat.auto` on one target, under options already checked."""
     kind = _target_kind(fn)
+    if kind != "function":
+        _refuse_aux_for_flax(options, fn)
     cache = options.plan_cache()
     if kind == "linen_class":
         from jremat._src.frontends.flax_linen import auto_linen_class
@@ -232,11 +245,13 @@ def _auto_function(
         if linen is not None and args and isinstance(args[0], linen.Module):
             from jremat._src.frontends.flax_linen import linen_method_call
 
+            _refuse_aux_for_flax(options, fn)
             return linen_method_call(fn, options, cache, flax_state)(*args, **kwargs)
         if sys.modules.get("flax.nnx") is not None:
             from jremat._src.frontends.flax_nnx import has_graph_node, make_caller
 
             if has_graph_node((args, kwargs)):
+                _refuse_aux_for_flax(options, fn)
                 if "nnx" not in flax_state:
                     flax_state["nnx"] = make_caller(fn, options, cache, self_counted=_is_method(fn))
                 return flax_state["nnx"](*args, **kwargs)
@@ -265,7 +280,7 @@ def _auto_function(
                 # the one trace of fn at this signature: keyed, planned and run from it
                 graph = build_graph(f, avals, nums)
                 check_replayable(graph, getattr(fn, "__name__", "fn"))
-                p = cache.get(graph, f, avals, argnums=nums)
+                p = cache.get(graph, f, avals, argnums=nums, has_aux=options.has_aux)
                 plans[key] = p
                 runners[key] = _runner(f, graph, p, options)
         return runners[key](*dyn)
@@ -276,6 +291,17 @@ def _auto_function(
     # wrapper does): this marker keeps Flax from wrapping it a second time.
     wrapper.method_handler_wrapped = True  # type: ignore[attr-defined]
     return wrapper
+
+
+def _refuse_aux_for_flax(options: AutoOptions, target: Any) -> None:
+    """A Flax block is planned by what it keeps whatever it returns: `has_aux` means nothing
+    there, and is refused rather than ignored."""
+    if options.has_aux:
+        raise TypeError(
+            f"has_aux=True applies to plain loss functions; {getattr(target, '__name__', target)}"
+            " is a Flax module or a function of modules, whose outputs may be any pytree "
+            "already. Drop has_aux, and pass has_aux=True to jax.value_and_grad as usual."
+        )
 
 
 def _is_static_arg(a: Any) -> bool:

@@ -165,6 +165,7 @@ class PlanCache:
         args: Sequence[Any],
         argnums: int | Sequence[int] = 0,
         ct_mask: Sequence[bool] | None = None,
+        has_aux: bool = False,
     ) -> Plan:
         """The plan for `graph` (the traced `fn(*args)`): cached, loaded or solved.
 
@@ -177,6 +178,7 @@ class PlanCache:
           argnums: differentiated arguments of a loss.
           ct_mask: for a block, which flat outputs a training step differentiates (the
             module's outputs, not its updated collections); see docs/design.md#flax-blocks.
+          has_aux: a loss `fn` returns `(loss, aux)` (`jremat.plan`'s `has_aux`).
 
         Raises:
           InfeasibleBudgetError, and the other errors of `jremat.plan`, unchanged.
@@ -200,6 +202,7 @@ class PlanCache:
                         budget=spec,
                         graph=graph,  # traced once per signature: not again to plan
                         argnums=argnums,
+                        has_aux=has_aux,
                         verify=self.verify,
                         max_rounds=self.max_rounds,
                         **opts,

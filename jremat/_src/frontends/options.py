@@ -33,9 +33,9 @@ class AutoOptions:
 
     Raises:
       ValueError: an invalid budget or solver; `max_rounds` below 1.
-      TypeError: `verify` not a bool; `max_rounds` not an int (a bool included); `mesh` not a
-        Mesh or None; `in_shardings` not one of its accepted forms; `offload` not None, a
-        bool or a `jremat.OffloadCost`.
+      TypeError: `verify` or `has_aux` not a bool; `max_rounds` not an int (a bool included);
+        `mesh` not a Mesh or None; `in_shardings` not one of its accepted forms; `offload`
+        not None, a bool or a `jremat.OffloadCost`.
     """
 
     budget: Any = 0.5
@@ -53,12 +53,14 @@ class AutoOptions:
     in_shardings: Any = None
     mesh: Any = None
     offload: Any = None
+    has_aux: bool = False
 
     def __post_init__(self) -> None:
         # parsed once: the decorator form, PlanCache and jremat.plan take the Budget as it is
         object.__setattr__(self, "budget", parse_budget(self.budget))
         check_solver(self.solver, none_ok=True)
         check_flag("verify", self.verify)
+        check_flag("has_aux", self.has_aux)
         check_count("max_rounds", self.max_rounds)
         check_mesh(self.mesh)
         check_in_shardings(self.in_shardings)

@@ -16,6 +16,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from jremat import policies
 from jremat._src.base import compat as _compat
+from jremat._src.base.args import check_flag, check_loss_output
 from jremat._src.base.errors import PlanMismatchError
 from jremat._src.plan.offload import offload_policy
 from jremat._src.plan.plan import KEEP, SAVE_NAMES, Plan, ScanPiece, ScanSetting, Segment
@@ -262,6 +263,61 @@ def run_graph(graph: Graph, plan: Plan, flat_args: Sequence[Any], *, prevent_cse
     return [x.val if is_literal(x) else env[x] for x in graph.outvars]
 
 
+def drop_unkept_names(graph: Graph, plan: Plan) -> Plan:
+    """Remove from each segment's `saved` and `offloaded` the values `jax.checkpoint` does not
+    keep; returns `plan`, edited in place.
+
+    A planner names every value its save option selects (`saved_values`), but the
+    checkpoint keeps as residuals only those its backward pass reads (a VJP rule's operands,
+    the inputs of what it recomputes); a name on any other value changes nothing in the
+    program, and a report listing it would count bytes the compiled program never holds
+    (their bytes leave the segment's predicted `stored_bytes` too)
+    (docs/design.md#what-a-plan-saves). Each named segment is traced on its own (abstractly:
+    `jax.vjp` of the checkpointed segment, differentiated where the program is) and its
+    names read off the residuals JAX keeps. A segment that cannot be traced alone (collectives
+    over a `shard_map`'s axes) keeps its names.
+    """
+    tangent = _tangent_values(graph)
+    for seg in plan.segments:
+        if seg.policy != SAVE_NAMES or not (seg.saved or seg.offloaded):
+            continue
+        live_in, live_out = segment_io(graph, seg)
+        nodes = graph.nodes[seg.start : seg.end]
+        tag = {v: residual_name(v) for v in [*seg.saved, *seg.offloaded]}
+
+        def seg_fn(*ins, nodes=nodes, live_in=live_in, live_out=live_out, tag=tag):
+            local = dict(zip(live_in, ins, strict=True))
+            _eval_nodes(nodes, local, tag, plan.scans)
+            return [local[o] for o in live_out]
+
+        avals = [
+            jax.ShapeDtypeStruct(graph.values[v].shape, graph.values[v].dtype) for v in live_in
+        ]
+        diff = [v in tangent and graph.values[v].is_float for v in live_in]
+        policy = jax.checkpoint_policies.save_only_these_names(*tag.values())
+        try:
+            kept = _compat.residual_names(jax.checkpoint(seg_fn, policy=policy), avals, diff)
+        except Exception:  # noqa: BLE001 - e.g. a collective over an unbound axis: names kept
+            continue
+        if kept is None:
+            continue
+        dropped = [v for v in seg.saved if residual_name(v) not in kept]
+        seg.saved = [v for v in seg.saved if residual_name(v) in kept]
+        seg.offloaded = [v for v in seg.offloaded if residual_name(v) in kept]
+        # the model counted the saved values it thought the backward reads
+        seg.stored_bytes = max(0, seg.stored_bytes - sum(graph.values[v].nbytes for v in dropped))
+    return plan
+
+
+def _tangent_values(graph: Graph) -> set[int]:
+    """Value ids that depend on a differentiated argument (their tangents are not zero)."""
+    out = {v for v, d in zip(graph.invars, graph.diff_invars, strict=True) if d}
+    for node in graph.nodes:
+        if any(not is_literal(x) and x in out for x in node.inputs):
+            out.update(node.outputs)
+    return out
+
+
 def _nested_custom_jvp(eqns: Sequence[Any], depth: int = 0) -> bool:
     """Whether a `custom_jvp_call` sits inside a control-flow body (scan, cond, while...)."""
     for eqn in eqns:
@@ -351,7 +407,7 @@ def check_value_ids(graph: Graph, plan: Plan) -> None:
 
 
 def rematerialize(
-    fn: Callable[..., Any], plan: Plan, *, prevent_cse: bool = True
+    fn: Callable[..., Any], plan: Plan, *, prevent_cse: bool = True, has_aux: bool = False
 ) -> Callable[..., Any]:
     """Return `fn` with its backward pass following `plan`.
 
@@ -370,9 +426,14 @@ def rematerialize(
         recompute back into the forward pass. False is honoured inside a loop body (or where
         that cannot be told); called at the top level (eagerly or under `jit`/`grad`) it runs
         with True, as the plan was verified, and warns (`RuntimeWarning`).
+      has_aux: `fn` returns `(loss, aux)` and the plan was made with `jremat.plan(...,
+        has_aux=True)`; the returned function returns the same pair, for
+        `jax.value_and_grad(..., has_aux=True)`. Each new signature's output is checked to be
+        such a pair. Default False: the outputs are returned as `fn` returns them.
 
     Raises:
-      TypeError: `plan` is not a `jremat.Plan`.
+      TypeError: `plan` is not a `jremat.Plan`; `has_aux` not a bool; at call time, with
+        `has_aux`, `fn` does not return a pair whose first element is a scalar float loss.
       ValueError: the plan's segments do not tile its equations or have fields of the wrong
         type, or its `scans` entries are malformed (`Plan.validate`).
       PlanMismatchError (a ValueError), at call time: the call's program differs from the one
@@ -384,6 +445,7 @@ def rematerialize(
     if not isinstance(plan, Plan):
         raise TypeError(f"plan must be a jremat.Plan, got {type(plan).__name__}")
     plan.validate()
+    has_aux = check_flag("has_aux", has_aux)
     if plan.is_identity:
         return fn
     graphs: dict[Any, Graph] = {}
@@ -403,6 +465,8 @@ def rematerialize(
                     "Make a new plan for these "
                     "arguments (jremat.plan), or use jremat.auto, which re-plans per signature."
                 )
+            if has_aux:
+                check_loss_output(graph.out_shape, has_aux=True)
             if not _holds_tracers(graph):
                 graphs[key] = graph
         outs = run_graph(graph, plan, jax.tree_util.tree_leaves(args), prevent_cse=prevent_cse)

@@ -21,8 +21,10 @@ from jremat._src.base.args import check_count, check_flag
 from jremat._src.base.budget import Budget, parse_budget
 from jremat._src.base.errors import InfeasibleBudgetError
 from jremat._src.compile.program import Compiled, Program
+from jremat._src.compile.xla import step_grad
 from jremat._src.plan.offload import OffloadCost, host_offload_effective, parse_offload
 from jremat._src.plan.plan import Plan, plan_key
+from jremat._src.plan.rewrite import drop_unkept_names
 from jremat._src.search import mixing, refine
 from jremat._src.trace.graph import Graph
 
@@ -64,6 +66,7 @@ def plan(
     in_shardings: Any = None,
     mesh: Any = None,
     graph: Graph | None = None,
+    has_aux: bool = False,
 ) -> Plan:
     """Plan the rematerialization of `fn` under a memory budget.
 
@@ -74,7 +77,8 @@ def plan(
     `jremat.auto` is), the program is the per-device body, compiled over the same mesh axes.
 
     Args:
-      fn: returns a scalar floating-point loss; positional array/pytree arguments.
+      fn: returns a scalar floating-point loss (or `(loss, aux)` with `has_aux`); positional
+        array/pytree arguments.
       *args: example arguments (arrays or `jax.ShapeDtypeStruct`s).
       budget: a float in (0, 1] (fraction of the unrematerialized compiled temp bytes), an int
         (footprint bytes), a string such as "512MiB"/"8GB", or "auto" (see `jremat.parse_budget`);
@@ -112,19 +116,29 @@ def plan(
         (of the arguments as `in_shardings`/`mesh` shard them), so that it is not traced again
         (as `jremat.auto` passes it); None (default): traced here. A graph of another program
         raises `jremat.PlanMismatchError` when the plan runs.
+      has_aux: `fn` returns a pair `(loss, aux)`, aux any pytree of arrays (metrics, updated
+        batch statistics), as in `jax.value_and_grad(fn, has_aux=True)`: the step planned and
+        verified is `jit(value_and_grad(fn, has_aux=True))`, which computes both. Default
+        False.
 
     Returns:
-      A `Plan`; `Plan.identity` when the budget is at or above the unrematerialized program.
+      A `Plan`; `Plan.identity` when the budget is at or above the unrematerialized program,
+      or when it is a fraction >= 1 and JAX cannot build `fn`'s reverse derivative (a
+      `while_loop` with dynamic bounds, used only forward: nothing to plan).
 
     Raises:
       ValueError: an invalid budget (names the accepted forms) or unknown solver;
         `max_rounds` or `max_cuts` below 1.
       InfeasibleBudgetError: no plan reaches the budget; states the smallest reachable budget
         in the caller's unit.
-      TypeError: `fn` does not return a scalar float, or `argnums` selects no float input;
+      TypeError: `fn` does not return a scalar float (with `has_aux`, a pair whose first
+        element is one; a pair returned without `has_aux` names it), or `argnums` selects no
+        float input; `has_aux` not a bool;
         `in_shardings` (or an entry's leaf) or `mesh` of another type; `offload` is not one of
         the accepted forms; `verify` not a bool; `max_rounds` or `max_cuts` not an int (a
         bool included).
+      ValueError: JAX cannot build `fn`'s reverse derivative and the budget is not a
+        fraction >= 1 (the message quotes JAX's reason and names budget=1.0).
       ValueError (sharding): `in_shardings` does not match the arguments, a `PartitionSpec`
         without a mesh, or a mesh needing more devices than exist (docs/design.md#sharding).
     """
@@ -135,7 +149,9 @@ def plan(
     max_rounds = check_count("max_rounds", max_rounds)
     max_cuts = check_count("max_cuts", max_cuts)
     t0 = time.perf_counter()
-    prog = Program(fn, args, argnums, in_shardings=in_shardings, mesh=mesh, graph=graph)
+    prog = Program(
+        fn, args, argnums, in_shardings=in_shardings, mesh=mesh, graph=graph, has_aux=has_aux
+    )
     logger.info(
         "%s %s: %d equations in %.1f s",
         "traced" if graph is None else "checked the traced",
@@ -176,12 +192,15 @@ def solve(
 
     t0 = time.perf_counter()
     planner = None
-    if verify and spec.fraction is not None and spec.fraction < 1:
-        # the target is below the unrematerialized program whatever its temp bytes: compile
-        # it together with the reference plans (parallel threads), not before them
-        planner = prog.planner(solver, max_cuts, offload)
-        prog.anchors(planner, also=[None, *mixing.pure_plans(prog)])
-    base = prog.baseline
+    try:
+        if verify and spec.fraction is not None and spec.fraction < 1:
+            # the target is below the unrematerialized program whatever its temp bytes: compile
+            # it together with the reference plans (parallel threads), not before them
+            planner = prog.planner(solver, max_cuts, offload)
+            prog.anchors(planner, also=[None, *mixing.pure_plans(prog)])
+        base = prog.baseline
+    except Exception as e:  # noqa: BLE001 - re-raised unless fn has no reverse derivative
+        return _no_reverse_derivative(prog, spec, e)
     target = spec.temp_bytes(base.temp_bytes, base.fixed_bytes)
     meta = dict(budget=spec.raw, budget_temp_bytes=int(target) if target > 0 else 0)
     if target >= base.temp_bytes:
@@ -353,6 +372,7 @@ FLOOR_LADDER = (1.03, 1.08, 1.15)
 
 
 def _finish(p: Plan, meta: dict, solver: str, graph: Graph) -> Plan:
+    drop_unkept_names(graph, p)  # reports list only what the compiled program keeps
     p.annotate(graph)
     if p.offloaded_bytes and p.measured_temp_bytes is None and not host_offload_effective():
         p.notes.append(
@@ -362,6 +382,35 @@ def _finish(p: Plan, meta: dict, solver: str, graph: Graph) -> Plan:
     p.budget, p.budget_temp_bytes = meta["budget"], meta["budget_temp_bytes"]
     p.notes.append(f"solver={solver!r}")
     return p
+
+
+def _no_reverse_derivative(prog: Program, spec: Budget, error: Exception) -> Plan:
+    """The plan of a program whose reverse derivative JAX cannot trace (a `while_loop` with
+    dynamic bounds, a callback without a VJP), used only forward (`jax.linearize`, `jvp`):
+    there is no backward pass to plan, so a budget that asks for nothing to change (a fraction
+    >= 1) gets the identity plan (the function runs unchanged), and any other raises.
+
+    Raises:
+      the compile's own error, when the reverse derivative traces (another fault);
+      ValueError: naming the budget and JAX's reason, for a budget below 1.
+    """
+    try:
+        jax.eval_shape(step_grad(prog.fn, prog.nums, prog.has_aux), *prog.args)
+    except Exception as reason:  # noqa: BLE001 - JAX's reason, quoted below
+        if spec.fraction is not None and spec.fraction >= 1:
+            p = Plan.identity(prog.graph, budget=spec.raw, budget_temp_bytes=None)
+            p.notes.append(
+                "no reverse derivative (jax.value_and_grad fails: "
+                f"{str(reason).splitlines()[0]}): nothing to plan, fn runs unchanged"
+            )
+            return p.annotate(prog.graph)
+        raise ValueError(
+            f"budget={spec.raw!r}: jremat plans the backward pass of jax.value_and_grad(fn), "
+            f"which JAX cannot build for this fn ({str(reason).splitlines()[0]}). Used only "
+            "forward (jax.linearize, jax.jvp) there is nothing to rematerialize: pass "
+            "budget=1.0 to run fn unchanged."
+        ) from None
+    raise error
 
 
 def _raise_infeasible(spec: Budget, prog: Program, compiled: list[tuple[Plan, Compiled]]):
