@@ -8,8 +8,9 @@ of 8x128 byte tokens) at budgets 0.25 / 0.5 / 0.75 with `solver="auto"`, and wri
 README.md shows between `<!-- readme:NAME -->` and `<!-- /readme:NAME -->` markers: the
 comparison table (compiled figures only: XLA's `memory_analysis()` temp and footprint bytes,
 `cost_analysis()` FLOPs, the gradient difference; no seconds, which depend on the machine) and
-the sentence comparing `auto` with the built-ins. Copy a block into README.md after
-regenerating; `tests/test_readme_tables.py` checks that README.md's blocks equal this file's.
+the sentence comparing `auto` with the built-ins, and replaces the same blocks in README.md
+(`--no-readme`: only the results files); `tests/test_readme_tables.py` checks that README.md's
+blocks equal this file's.
 About a minute on an idle 2-core CPU.
 """
 
@@ -24,6 +25,7 @@ import jax
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 OUT = os.path.join(HERE, "results", "readme.md")
+README = os.path.join(os.path.dirname(HERE), "README.md")
 BUDGETS = (0.25, 0.5, 0.75)
 #: Columns README.md shows (the table's seconds columns depend on the machine).
 COLUMNS = (
@@ -69,7 +71,9 @@ def select_columns(markdown: str, columns=COLUMNS) -> str:
     ]
     for i, line in enumerate(lines[2:], start=2):
         if not line.startswith("|"):
-            out += lines[i:]
+            # the legend, without the columns this table leaves out
+            legend = [re.sub(r" ?compile s / plan s: [^;]*;", "", x) for x in lines[i:]]
+            out += legend
             break
         cells = [split(line)[k] for k in keep]
         out.append(("| " + " | ".join(cells) + " |").replace("|  |", "| |"))
@@ -101,6 +105,9 @@ def auto_sentence(result) -> str:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=OUT)
+    ap.add_argument(
+        "--no-readme", action="store_true", help="write only the results files, not README.md"
+    )
     ap.add_argument(
         "--render",
         action="store_true",
@@ -143,7 +150,27 @@ def main(argv=None) -> int:
     with open(args.out, "w") as f:
         f.write("\n".join(md) + "\n")
     print("\n".join(md))
+    if not args.no_readme:
+        write_readme(blocks("\n".join(md)))
     return 0
+
+
+def write_readme(new: dict[str, str], path: str = README) -> None:
+    """Replace each `<!-- readme:NAME -->` block of README.md with the block of that name.
+
+    Raises:
+      ValueError: README.md lacks one of the blocks (its markers were edited away).
+    """
+    with open(path) as f:
+        text = f.read()
+    old = blocks(text)
+    missing = sorted(set(new) - set(old))
+    if missing:
+        raise ValueError(f"{path} has no <!-- readme:NAME --> block for {missing}")
+    for name, b in new.items():
+        text = text.replace(old[name], b)
+    with open(path, "w") as f:
+        f.write(text)
 
 
 if __name__ == "__main__":
