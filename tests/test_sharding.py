@@ -218,13 +218,13 @@ def test_a_mesh_too_big_for_the_devices_says_how_to_get_more():
 MULTI_DEVICE_PARTS = {
     "sharded-jit-decoder": ("sharded_jit and decoder", 1),
     "sharded-jit-mlp": ("sharded_jit and mlp", 2),
-    "shard-map": ("shard_map", 2),
+    "shard-map": ("shard_map", 4),
     "rest": ("not sharded_jit and not shard_map", 7),
 }
 
 
 def test_multi_device_parts_cover_the_suite():
-    assert sum(n for _, n in MULTI_DEVICE_PARTS.values()) == 12
+    assert sum(n for _, n in MULTI_DEVICE_PARTS.values()) == 14
 
 
 @pytest.mark.parametrize("part", list(MULTI_DEVICE_PARTS))

@@ -59,18 +59,27 @@ class MemoryFigures:
 
 
 def compile_step(
-    fn: Callable[..., Any], args: Sequence[Any], argnums: tuple[int, ...], has_aux: bool = False
+    fn: Callable[..., Any],
+    args: Sequence[Any],
+    argnums: tuple[int, ...],
+    has_aux: bool = False,
+    value: bool = True,
 ) -> Any:
-    """Lower and compile `jit(value_and_grad(fn, argnums, has_aux))` for `args` (arrays or
-    avals, whose shardings it compiles under: `memory_analysis()` is then per device)."""
-    return compile_jitted(jax.jit(step_grad(fn, argnums, has_aux)), args)
+    """Lower and compile `jit(value_and_grad(fn, argnums, has_aux))` (`jit(grad(...))` when
+    not `value`) for `args` (arrays or avals, whose shardings it compiles under:
+    `memory_analysis()` is then per device)."""
+    return compile_jitted(jax.jit(step_grad(fn, argnums, has_aux, value)), args)
 
 
-def step_grad(fn: Callable[..., Any], argnums: tuple[int, ...], has_aux: bool = False) -> Any:
+def step_grad(
+    fn: Callable[..., Any], argnums: tuple[int, ...], has_aux: bool = False, value: bool = True
+) -> Any:
     """`jax.value_and_grad(fn, argnums, has_aux=has_aux)`: the training step jremat compiles
-    (with `has_aux`, `fn` returns `(loss, aux)` and the step computes both)."""
+    (with `has_aux`, `fn` returns `(loss, aux)` and the step computes both); `jax.grad` when
+    not `value` (the step of a caller that drops the loss)."""
     nums = argnums[0] if len(argnums) == 1 else argnums
-    return jax.value_and_grad(fn, argnums=nums, has_aux=has_aux)
+    grad = jax.value_and_grad if value else jax.grad
+    return grad(fn, argnums=nums, has_aux=has_aux)
 
 
 def step_flops(
@@ -111,12 +120,19 @@ def compile_figures(
     With `manual_axes` ({name: size}, `base.sharding.manual_axes()` inside a `shard_map`
     body) the per-device program is compiled in a helper thread, outside the body's trace,
     under a `shard_map` over a mesh of the same axes (`base.sharding.bind_axes`); its
-    memory figures are those of one device.
+    memory figures are those of one device. The caller's step around a body may be
+    `grad` or `value_and_grad`, which XLA schedules differently there (jax 0.10: 1,966,080
+    vs 1,835,072 temp bytes for one plan, docs/design.md#sharding), so both are compiled
+    and the one with more temp bytes is returned: the figure holds for either step.
     """
 
     def run(f: Callable[..., Any], a: Sequence[Any], spmd: bool) -> tuple[Any, float]:
         exe = compile_step(f, a, argnums, has_aux)
         flops = step_flops(exe, f, a, argnums, scan_flops=scan_flops, spmd=spmd, has_aux=has_aux)
+        if not spmd:  # a shard_map body: also the step that drops the loss
+            alone = compile_step(f, a, argnums, has_aux, value=False)
+            if MemoryFigures.of(alone).temp_bytes > MemoryFigures.of(exe).temp_bytes:
+                exe = alone  # its memory figures; the FLOPs stay those of the whole step
         return exe, flops
 
     if not manual_axes:
