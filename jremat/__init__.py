@@ -33,7 +33,7 @@ if TYPE_CHECKING:  # the names below, for type checkers and IDEs; at run time th
     from jremat._src.training.microbatching import microbatch
     from jremat._src.training.training_plan import TrainingPlan, plan_training
 
-__version__ = "0.2.0"
+__version__ = "0.3.0"
 
 # The library is quiet unless the program configures logging (`jremat.log_to_stderr()`).
 logging.getLogger(__name__).addHandler(logging.NullHandler())
