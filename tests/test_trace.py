@@ -145,6 +145,31 @@ def test_fingerprint_is_stable_and_tells_programs_apart():
     assert jremat.trace(_small, W, X.astype(jnp.bfloat16)).fingerprint != a
 
 
+def _scan_program(body_op, power):
+    def loss(ws, x):
+        def body(h, w):
+            return h + body_op(h @ w) ** power, None
+
+        return jnp.sum(jax.lax.scan(body, x, ws)[0])
+
+    return loss
+
+
+def test_fingerprint_sees_loop_bodies_and_parameters():
+    """Programs alike at the top level (one scan of the same shapes) but with another body, or
+    another exponent (a parameter, not a primitive), are other programs: a plan saved for one
+    must never be loaded for the other (the default on-disk plan cache keys by it)."""
+    ws = jnp.ones((3, 16, 16))
+    x = jnp.ones((4, 16))
+    a = jremat.trace(_scan_program(jnp.sin, 2), ws, x).fingerprint
+    assert jremat.trace(_scan_program(jnp.sin, 2), ws, x).fingerprint == a
+    assert jremat.trace(_scan_program(jnp.cos, 2), ws, x).fingerprint != a
+    assert jremat.trace(_scan_program(jnp.sin, 3), ws, x).fingerprint != a
+    assert jremat.trace(lambda w, x: _small(w, x) ** 3, W, X).fingerprint != jremat.trace(
+        lambda w, x: _small(w, x) ** 2, W, X
+    ).fingerprint
+
+
 def test_trace_rejects_bad_arguments():
     with pytest.raises(TypeError, match="callable"):
         jremat.trace(42, W, X)

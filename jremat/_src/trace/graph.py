@@ -372,8 +372,52 @@ def _fingerprint(b: _Builder, invars: Sequence[int], outvars: Sequence[Any]) -> 
     h.update(f"in{','.join(map(str, invars))};".encode())
     for n in b.nodes:
         h.update(f"{n.primitive}({','.join(map(ref, n.inputs))})->{n.outputs};".encode())
+        h.update(_params_text(n.eqn.params).encode())
     h.update(f"out{','.join(map(ref, outvars))};".encode())
     return h.hexdigest()[:16]
+
+
+def _params_text(params: dict[str, Any]) -> str:
+    """An equation's parameters as deterministic text: nested jaxprs (scan and while bodies,
+    cond branches, custom_vjp rules) by their equations, avals, parameters and wiring; numbers,
+    strings, dtypes and enums by value; callables by qualified name (never an address), so
+    that two programs alike at the top but with other loop bodies, exponents, strides or
+    axes hash differently, and one program hashes alike in every process."""
+    return "[" + ",".join(f"{k}={_param_text(params[k])}" for k in sorted(params)) + "]"
+
+
+def _param_text(v: Any) -> str:
+    if hasattr(v, "jaxpr") and hasattr(v, "consts"):  # a ClosedJaxpr
+        return _jaxpr_text(v.jaxpr)
+    if hasattr(v, "eqns") and hasattr(v, "invars"):  # an open Jaxpr
+        return _jaxpr_text(v)
+    if isinstance(v, (tuple, list)):
+        return "(" + ",".join(map(_param_text, v)) + ")"
+    if isinstance(v, dict):
+        return _params_text(v)
+    if v is None or isinstance(v, (bool, int, float, str, np.dtype, np.generic)):
+        return repr(v)
+    if callable(v) and not hasattr(v, "shape"):
+        return getattr(v, "__qualname__", type(v).__name__)
+    text = str(v)
+    return type(v).__name__ if " at 0x" in text else text
+
+
+def _jaxpr_text(jaxpr: Any) -> str:
+    ids: dict[Any, int] = {}
+
+    def ref(x: Any) -> str:
+        if is_literal(x):
+            return f"L{getattr(x, 'val', '')}"
+        return str(ids.setdefault(x, len(ids)))
+
+    parts = [",".join(f"{ref(v)}:{v.aval}" for v in [*jaxpr.constvars, *jaxpr.invars])]
+    for e in jaxpr.eqns:
+        ins = ",".join(map(ref, e.invars))
+        outs = ",".join(f"{ref(v)}:{v.aval}" for v in e.outvars)
+        parts.append(f"{e.primitive.name}({ins}){_params_text(e.params)}->{outs}")
+    parts.append("out" + ",".join(map(ref, jaxpr.outvars)))
+    return "{" + ";".join(parts) + "}"
 
 
 @dataclasses.dataclass(frozen=True)
