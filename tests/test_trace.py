@@ -165,9 +165,10 @@ def test_fingerprint_sees_loop_bodies_and_parameters():
     assert jremat.trace(_scan_program(jnp.sin, 2), ws, x).fingerprint == a
     assert jremat.trace(_scan_program(jnp.cos, 2), ws, x).fingerprint != a
     assert jremat.trace(_scan_program(jnp.sin, 3), ws, x).fingerprint != a
-    assert jremat.trace(lambda w, x: _small(w, x) ** 3, W, X).fingerprint != jremat.trace(
-        lambda w, x: _small(w, x) ** 2, W, X
-    ).fingerprint
+    assert (
+        jremat.trace(lambda w, x: _small(w, x) ** 3, W, X).fingerprint
+        != jremat.trace(lambda w, x: _small(w, x) ** 2, W, X).fingerprint
+    )
 
 
 def test_trace_rejects_bad_arguments():
