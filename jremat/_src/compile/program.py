@@ -28,7 +28,7 @@ from jremat._src.base.args import (
     normalize_argnums,
 )
 from jremat._src.base.sharding import arg_mesh, manual_axes, shard_args
-from jremat._src.compile.xla import MemoryFigures, compile_figures
+from jremat._src.compile.xla import MemoryFigures, compile_figures, compile_step
 from jremat._src.plan.offload import OffloadCost, host_offload_effective, offload_proxy, offloads
 from jremat._src.plan.plan import Plan, plan_key
 from jremat._src.plan.planners import PLANNERS
@@ -132,6 +132,7 @@ class Program:
         self.has_scan = has_scan(self.graph)
         self._planners: dict = {}
         self._steps: dict[str, tuple[Compiled, Any, float]] = {}
+        self._grad_temps: dict[str, int] = {}
         self.tried: list[tuple[Plan, Compiled]] = []  # every plan compiled on this program
         self._anchors: dict = {}
         self.objective = Objective() if objective is None else objective
@@ -217,6 +218,30 @@ class Program:
                 if plan is not None and not plan.is_identity:
                     self.tried.append((copy.deepcopy(plan), step[0]))
             return self._steps[key]
+
+    def grad_step_temp(self, plan: Plan | None) -> int:
+        """Compiled temp bytes of the step that drops the loss, `jit(grad(fn))`, under `plan`.
+
+        XLA may schedule it with more temp than `jit(value_and_grad(fn))`, the step `compile`
+        measures (a 2-layer MLP under per-layer remat: 1,048,576 vs 917,504 bytes, jax 0.10),
+        and callers run either, so a returned plan must hold under both
+        (docs/design.md#verification). Memoized per plan structure. Programs whose figures
+        already hold for both (a `shard_map` body), other objectives (a Flax block's kept
+        bytes) and offloading plans (measured on a proxy) return `compile(plan)`'s temp.
+        """
+        same = self.compile(plan).temp_bytes
+        if self.manual_axes or type(self.objective) is not Objective or offloads(plan):
+            return same
+        key = plan_key(plan)
+        with self._lock:
+            found = self._grad_temps.get(key)
+        if found is None:
+            f = self.objective.step_fn(self, plan)
+            exe = compile_step(f, self.args, self.nums, self.has_aux, value=False)
+            found = MemoryFigures.of(exe).temp_bytes
+            with self._lock:
+                self._grad_temps[key] = found
+        return found
 
     def compile_fn(self, f: Callable[..., Any], *, scan_flops: bool = True) -> tuple[Any, float]:
         """(executable, FLOPs) of `jit(value_and_grad(f))` at this program's arguments and

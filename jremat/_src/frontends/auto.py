@@ -91,8 +91,8 @@ def auto(
       max_rounds: compiles verification may spend per signature.
       static_argnums: Flax targets: positions of static (hashable, specialised-on) arguments,
         counted as `nn.remat`/`nnx.remat` count them: for a module or method, `self` is 0.
-        Bool and string arguments are static without it. A plain loss function needs none: a
-        positional bool, string or other non-array argument (the caller's own
+        Bool, int and string arguments are static without it. A plain loss function needs
+        none: a positional bool, Python int, string or other non-array argument (the caller's own
         `jax.jit(..., static_argnums=...)`) is closed over and planned per value.
       static_argnames: Flax targets: names of static arguments (honoured, unlike in
         `jax.checkpoint`, which ignores them; names and positions complete each other).
@@ -305,10 +305,13 @@ def _refuse_aux_for_flax(options: AutoOptions, target: Any) -> None:
 
 
 def _is_static_arg(a: Any) -> bool:
-    """A positional argument traced as a constant: a bool, a string, or any value with a leaf
-    that is neither an array nor a Python number (a bool is a flag for Python control flow,
-    as with `jax.jit(..., static_argnums=...)`; ints and floats trace as arrays, as in jit)."""
-    if isinstance(a, (bool, np.bool_)):
+    """A positional argument traced as a constant: a bool, a Python int, a string, or any value
+    with a leaf that is neither an array nor a Python number. A concrete bool or int reaching
+    `auto` is what the caller's `jax.jit(..., static_argnums=...)` (or an eager call) gives,
+    and the function may use it in Python control flow or as a slice bound; under the
+    caller's jit without static_argnums it arrives as a tracer and stays one. Python floats
+    and ints inside pytrees trace as arrays, as in jit."""
+    if isinstance(a, (bool, np.bool_, int)):
         return True
     leaves = jax.tree_util.tree_leaves(a)
     return any(

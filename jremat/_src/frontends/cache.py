@@ -142,6 +142,8 @@ class PlanCache:
                 "kind": kind,
                 "signature": sig,
                 "fingerprint": graph.fingerprint,
+                # which arguments are differentiated (argnums): another backward program
+                "differentiated": list(map(bool, graph.diff_invars)),
                 "budget": repr(self.budget),
                 "solver": self.solver,
                 "verify": bool(self.verify),

@@ -444,12 +444,13 @@ class Plan:
 
         Raises:
           OSError: the file cannot be read.
-          ValueError: it is not a valid plan (as `from_json`); the message names the file.
+          ValueError: it is not UTF-8 text or not a valid plan (as `from_json`); the message
+            names the file.
         """
-        with open(path, encoding="utf-8") as f:
-            text = f.read()
+        with open(path, "rb") as f:
+            raw = f.read()
         try:
-            return cls.from_json(text)
+            return cls.from_json(raw.decode("utf-8"))  # UnicodeDecodeError is a ValueError
         except ValueError as e:
             raise ValueError(f"{os.fspath(path)}: {e}") from e
 

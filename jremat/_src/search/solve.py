@@ -8,6 +8,7 @@ docs/design.md#verification.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import logging
 import math
 import time
@@ -335,6 +336,9 @@ def solve(
         )
         for candidate in refine.candidates(prog.graph, planner, lowest[0]) if lowest else []:
             add_floor(candidate, "peak segment split")
+    if best[1] is not None:
+        pool = [*anchors, *rounds, *mixes, *floor]
+        best = _holds_under_grad(prog, target, best, [(score(p, c), p, c) for p, c in pool])
     _, chosen, c = best
     logger.info(
         "planned in %.1f s, %d programs compiled on this program so far",
@@ -365,6 +369,39 @@ def solve(
             f"{chosen.predicted_temp_bytes:,} bytes"
         )
     return _finish(chosen, meta, solver, prog.graph)
+
+
+#: How many of the cheapest fitting plans are compiled as `jit(grad)` steps before giving up.
+GRAD_STEP_TRIES = 4
+
+
+def _holds_under_grad(prog: Program, target: float, best: tuple, pool: list[tuple]) -> tuple:
+    """The cheapest fitting plan whose `jit(grad)` step fits `target` too (the caller may run
+    either step; XLA schedules them differently), with the larger of its two temp figures
+    as its compiled temp; `best` first, then the other fitting plans of this call by score,
+    `GRAD_STEP_TRIES` in all. (inf, None, None) when none of them holds under both."""
+    seen: set[str] = set()
+    ranked = [best, *sorted((t for t in pool if t[2].temp_bytes <= target), key=lambda t: t[0])]
+    for score_, p, c in ranked:
+        if plan_key(p) in seen:
+            continue
+        seen.add(plan_key(p))
+        grad_temp = prog.grad_step_temp(p)
+        if grad_temp <= target:
+            return (
+                score_,
+                copy.deepcopy(p),
+                dataclasses.replace(c, temp_bytes=max(c.temp_bytes, grad_temp)),
+            )
+        logger.info(
+            "plan %r fits as value_and_grad (%s bytes) but not as grad (%s bytes)",
+            p.solver,
+            f"{c.temp_bytes:,}",
+            f"{grad_temp:,}",
+        )
+        if len(seen) >= GRAD_STEP_TRIES:
+            break
+    return math.inf, None, None
 
 
 #: Model budgets (multiples of the model's minimum peak) compiled when no reference plan fits.
@@ -414,9 +451,14 @@ def _no_reverse_derivative(prog: Program, spec: Budget, error: Exception) -> Pla
 
 
 def _raise_infeasible(spec: Budget, prog: Program, compiled: list[tuple[Plan, Compiled]]):
-    """Raise `InfeasibleBudgetError` naming the smallest compiled temp among `compiled`."""
+    """Raise `InfeasibleBudgetError` naming the smallest compiled temp among `compiled`, each
+    plan's the larger of its `value_and_grad` and `grad` steps' (what a new call verifies)."""
     base = prog.baseline
-    least = min([c.temp_bytes for _, c in compiled] + [base.temp_bytes])
+    least = max(base.temp_bytes, prog.grad_step_temp(None))
+    for p, c in sorted(compiled, key=lambda pc: pc[1].temp_bytes):
+        if c.temp_bytes >= least:
+            break  # sorted: no later plan can be lower
+        least = min(least, max(c.temp_bytes, prog.grad_step_temp(p)))
     smallest = spec.in_caller_unit(least, base.temp_bytes, base.fixed_bytes)
     raise InfeasibleBudgetError(
         f"budget={spec.raw!r} is below what rematerialization can reach for this program: "
