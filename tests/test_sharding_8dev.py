@@ -111,8 +111,8 @@ def test_auto_under_sharded_jit_keeps_gradients_and_fits_half(model, chain, case
     # the single-device program is larger: the figures are per device
     assert base < per_device_temp(m.loss, m.args)
     temp = per_device_temp(jremat.rematerialize(m.loss, plan), args)
-    assert temp == plan.measured_temp_bytes
-    assert temp <= 0.5 * base
+    # measured: the larger of the plan's value_and_grad and grad steps (both must fit)
+    assert temp <= plan.measured_temp_bytes <= 0.5 * base
 
 
 def test_trace_bytes_are_per_device(model):
