@@ -49,7 +49,7 @@ def test_prevent_cse_false_at_top_level_runs_the_verified_program(chain, no_cse)
         got = temp_bytes(jax.grad(f), *args)
         grads = jax.grad(f)(*args)
     assert got <= only_plan(f).budget_temp_bytes
-    chex.assert_trees_all_close(grads, jax.grad(loss)(*args), rtol=1e-5)
+    chex.assert_trees_all_close(grads, jax.grad(loss)(*args), rtol=1e-5, atol=1e-7)
 
     r = jremat.rematerialize(loss, only_plan(f), prevent_cse=False)
     with pytest.warns(RuntimeWarning, match="prevent_cse=False"):
