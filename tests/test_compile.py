@@ -162,9 +162,10 @@ def test_block_program_uses_program_step(compiles):
 
 
 def test_a_plan_call_compiles_a_fixed_count_whatever_was_planned_before(compiles):
-    """Regression guard on planning cost: one `solve` at 0.5 compiles 9 programs on jax 0.10 (baseline,
-    reference plans and pure recipes in one parallel batch, then rounds and mixes: 8 steps of
-    `jit(value_and_grad)`; and the chosen plan's `jit(grad)` step, which must fit too); and the
+    """Regression guard on planning cost: one `solve` at 0.5 compiles 9 programs on jax 0.10
+    (baseline, reference plans and pure recipes in one parallel batch, then rounds and mixes:
+    8 steps of `jit(value_and_grad)`; and the chosen plan's `jit(grad)` step, which must fit
+    too); and the
     plan does not depend on budgets planned earlier on the same `Program`."""
     from jremat._src.base.budget import parse_budget
     from jremat._src.plan.plan import plan_key

@@ -240,15 +240,17 @@ def test_calibration_needs_three_distinct_plans(programs):
 
 
 def test_planners_compose_one_segment_model(programs):
-    """Every planner holds a `SegmentModel` and inherits from no other planner; on the same
+    """Every planner holds a `SegmentModel` and inherits from no other planner (only the
+    model's delegations, `OnSegmentModel`); on the same
     model settings their min-memory plans are the model's, labelled with the planner."""
     from jremat._src.plan.planners import SegmentModel
+    from jremat._src.plan.planners.model import OnSegmentModel
 
     _, prog = programs("mlp_chain")
     planners = {name: make(prog.graph, max_cuts=24) for name, make in PLANNERS.items()}
     reference = planners["chain"].min_memory_plan()
     for name, planner in planners.items():
-        assert type(planner).__mro__[1:] == (object,)
+        assert type(planner).__mro__[1:] == (OnSegmentModel, object)
         assert isinstance(planner.model, SegmentModel) and planner.name == name
         assert planner.table is planner.model.table
         got = planner.min_memory_plan()

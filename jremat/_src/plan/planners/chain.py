@@ -10,15 +10,15 @@ from __future__ import annotations
 
 from jremat._src.plan.offload import OffloadCost
 from jremat._src.plan.plan import Plan
-from jremat._src.plan.planners.model import SegmentModel, within_budget
-from jremat._src.plan.planners.segments import SAVE_OPTIONS, SegmentTable
+from jremat._src.plan.planners.model import OnSegmentModel, SegmentModel, within_budget
+from jremat._src.plan.planners.segments import SAVE_OPTIONS
 from jremat._src.trace.graph import Graph
 
 # `within_budget` (the DP, defined in `model`) stays importable from here as well
 __all__ = ["ChainPlanner", "within_budget"]
 
 
-class ChainPlanner:
+class ChainPlanner(OnSegmentModel):
     """The cheapest plan within a budget by the chain DP (see the module docstring).
 
     Args:
@@ -40,19 +40,6 @@ class ChainPlanner:
     ):
         self.model = SegmentModel(graph, max_cuts, options, offload)
         self.offload = offload
-
-    @property
-    def table(self) -> SegmentTable:
-        """The model's (calibrated) segment table."""
-        return self.model.table
-
-    def no_remat_peak(self) -> float:
-        """Modelled peak in bytes without rematerialization."""
-        return self.model.no_remat_peak()
-
-    def min_memory_plan(self) -> Plan:
-        """The model's plan with the smallest modelled peak."""
-        return self.model.min_memory_plan(self.name)
 
     def plan(self, model_budget: float) -> Plan | None:
         """Lowest-cost plan (FLOPs, with offload transfers) whose modelled peak is <=

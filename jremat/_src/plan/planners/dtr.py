@@ -9,13 +9,13 @@ from __future__ import annotations
 
 from jremat._src.plan.offload import OffloadCost
 from jremat._src.plan.plan import KEEP, SAVE_NAMES, Plan
-from jremat._src.plan.planners.model import SegmentModel
-from jremat._src.plan.planners.segments import SAVE_OPTIONS, SegmentTable
+from jremat._src.plan.planners.model import OnSegmentModel, SegmentModel
+from jremat._src.plan.planners.segments import SAVE_OPTIONS
 from jremat._src.trace.graph import Graph
 from jremat._src.trace.layers import layer_segments
 
 
-class DTRPlanner:
+class DTRPlanner(OnSegmentModel):
     """DTR simulation (docs/design.md#planners); segments are the model's layers. DTR evicts
     or keeps; it never offloads to host memory, so an `offload` cost is ignored (its model,
     and so its min-memory plan, offloads nothing either).
@@ -39,19 +39,6 @@ class DTRPlanner:
         del offload  # DTR's decisions are evict/keep; its reference plans offload nothing too
         self.model = SegmentModel(graph, max_cuts, options)
         self.offload = None
-
-    @property
-    def table(self) -> SegmentTable:
-        """The model's (calibrated) segment table."""
-        return self.model.table
-
-    def no_remat_peak(self) -> float:
-        """Modelled peak in bytes without rematerialization."""
-        return self.model.no_remat_peak()
-
-    def min_memory_plan(self) -> Plan:
-        """The model's plan with the smallest modelled peak."""
-        return self.model.min_memory_plan(self.name)
 
     def simulate(self, budget: float) -> tuple[set[int], float, float]:
         """Run DTR under `budget` bytes; returns (evicted value ids, recompute FLOPs, peak

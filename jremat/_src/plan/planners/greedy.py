@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from jremat._src.plan.offload import OffloadCost
 from jremat._src.plan.plan import Plan
-from jremat._src.plan.planners.model import SegmentModel, Segments
-from jremat._src.plan.planners.segments import KEEP_OPTION, SAVE_OPTIONS, SegmentTable
+from jremat._src.plan.planners.model import OnSegmentModel, SegmentModel, Segments
+from jremat._src.plan.planners.segments import KEEP_OPTION, SAVE_OPTIONS
 from jremat._src.trace.graph import Graph
 from jremat._src.trace.layers import layer_segments
 
@@ -73,7 +73,7 @@ def choose(model: SegmentModel, model_budget: float) -> Segments | None:
     return [(a, b, ladder[lv]) for (a, b), lv in zip(segs, level, strict=True)]
 
 
-class GreedyPlanner:
+class GreedyPlanner(OnSegmentModel):
     """Knapsack greedy over per-segment save options (docs/design.md#planners).
 
     Args:
@@ -94,19 +94,6 @@ class GreedyPlanner:
     ):
         self.model = SegmentModel(graph, max_cuts, options, offload)
         self.offload = offload
-
-    @property
-    def table(self) -> SegmentTable:
-        """The model's (calibrated) segment table."""
-        return self.model.table
-
-    def no_remat_peak(self) -> float:
-        """Modelled peak in bytes without rematerialization."""
-        return self.model.no_remat_peak()
-
-    def min_memory_plan(self) -> Plan:
-        """The model's plan with the smallest modelled peak."""
-        return self.model.min_memory_plan(self.name)
 
     def choose(self, model_budget: float) -> Segments | None:
         """`choose` on this planner's model."""

@@ -16,8 +16,8 @@ import numpy as np
 
 from jremat._src.plan.offload import OffloadCost
 from jremat._src.plan.plan import Plan
-from jremat._src.plan.planners.model import SegmentModel, Segments
-from jremat._src.plan.planners.segments import SAVE_OPTIONS, SegmentTable
+from jremat._src.plan.planners.model import OnSegmentModel, SegmentModel, Segments
+from jremat._src.plan.planners.segments import SAVE_OPTIONS
 from jremat._src.trace.graph import Graph
 
 #: Branch-and-bound nodes per solve by default: HiGHS proves the segment programs of
@@ -43,7 +43,7 @@ def _quiet_stdout():
             os.close(saved)
 
 
-class MILPPlanner:
+class MILPPlanner(OnSegmentModel):
     """Checkmate-style exact planner (HiGHS), see the module docstring.
 
     Args:
@@ -90,19 +90,6 @@ class MILPPlanner:
         self.incumbents = tuple(incumbents)
         self.last_gap: float | None = None
         self.last_objective: float | None = None
-
-    @property
-    def table(self) -> SegmentTable:
-        """The model's (calibrated) segment table."""
-        return self.model.table
-
-    def no_remat_peak(self) -> float:
-        """Modelled peak in bytes without rematerialization."""
-        return self.model.no_remat_peak()
-
-    def min_memory_plan(self) -> Plan:
-        """The model's plan with the smallest modelled peak."""
-        return self.model.min_memory_plan(self.name)
 
     def plan(self, model_budget: float) -> Plan | None:
         """The lowest-cost plan (FLOPs, with offload transfers) whose modelled peak is <=

@@ -421,3 +421,24 @@ class SegmentModel:
         )
         self._min, self._min_segs = {}, None
         return True
+
+
+class OnSegmentModel:
+    """What every planner answers from its `SegmentModel` (`self.model`) under its `name`;
+    chain, greedy, dtr and milp inherit it and differ in how they `plan`."""
+
+    model: SegmentModel
+    name: str
+
+    @property
+    def table(self) -> SegmentTable:
+        """The model's (calibrated) segment table."""
+        return self.model.table
+
+    def no_remat_peak(self) -> float:
+        """Modelled peak in bytes without rematerialization."""
+        return self.model.no_remat_peak()
+
+    def min_memory_plan(self) -> Plan:
+        """The model's plan with the smallest modelled peak."""
+        return self.model.min_memory_plan(self.name)
