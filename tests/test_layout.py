@@ -38,6 +38,19 @@ def _env() -> dict[str, str]:
     return env
 
 
+def _run_python(code: str) -> subprocess.CompletedProcess:
+    """`code` in a fresh interpreter (this one), from the repository root; the timeout only
+    guards against a hang."""
+    return subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=ROOT,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+
+
 @pytest.fixture(scope="module")
 def lint_output() -> str:
     """The output of `lint-imports` (all contracts of `pyproject.toml`), run once."""
@@ -51,14 +64,7 @@ def lint_output() -> str:
         "import sys; from importlinter.cli import lint_imports_command; "
         "lint_imports_command(['--no-cache', '--no-logo'])"
     )
-    r = subprocess.run(
-        [sys.executable, "-c", code],
-        cwd=ROOT,
-        env=_env(),
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    r = _run_python(code)
     out = r.stdout + r.stderr
     assert r.returncode in (0, 1), f"lint-imports could not run (exit {r.returncode}):\n{out}"
     assert "Contracts:" in out, f"lint-imports printed no contract report:\n{out}"
@@ -189,14 +195,7 @@ def test_import_jremat_does_not_import_optional_heavy_packages():
         "print(json.dumps([jremat.__file__, sorted({m.split('.')[0] for m in sys.modules})]))"
         "; print(json.dumps(bare))"
     )
-    r = subprocess.run(
-        [sys.executable, "-c", code],
-        cwd=ROOT,
-        env=_env(),
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    r = _run_python(code)
     assert r.returncode == 0, r.stderr
     *_, listing, bare = r.stdout.strip().splitlines()
     path, top_level = json.loads(listing)

@@ -58,33 +58,10 @@ MAX_COMBINATIONS = 400_000
 FRACTIONS = (0.0, 0.05, 0.15, 0.3, 0.5, 0.7, 0.9, 1.0)
 
 
-def _mlp6():
-    """6 named layers x <- x + W2 tanh(W1 x); loss mean(x^2)."""
-    depth, width, hidden, batch = 6, 8, 32, 16
-    keys = jax.random.split(jax.random.PRNGKey(0), 2 * depth + 1)
-    params = [
-        {
-            "w1": jax.random.normal(keys[2 * i], (width, hidden)) * width**-0.5,
-            "w2": jax.random.normal(keys[2 * i + 1], (hidden, width)) * hidden**-0.5,
-        }
-        for i in range(depth)
-    ]
-    x = jax.random.normal(keys[-1], (batch, width))
-
-    def loss(params, x):
-        for i, p in enumerate(params):
-            with jax.named_scope(f"layer_{i}"):
-                x = x + jnp.tanh(x @ p["w1"]) @ p["w2"]
-        return jnp.mean(x**2)
-
-    return loss, (params, x)
-
-
-def _mix5():
-    """5 named layers with different nonlinearities (tanh, relu, gelu, sigmoid, sin)."""
-    acts = (jnp.tanh, jax.nn.relu, jax.nn.gelu, jax.nn.sigmoid, jnp.sin)
-    depth, width, hidden, batch = 5, 8, 24, 16
-    keys = jax.random.split(jax.random.PRNGKey(1), 2 * depth + 1)
+def _residual_mlp(acts, hidden: int, seed: int):
+    """len(acts) named layers x <- x + W2 act(W1 x), width 8, batch 16; loss mean(x^2)."""
+    depth, width, batch = len(acts), 8, 16
+    keys = jax.random.split(jax.random.PRNGKey(seed), 2 * depth + 1)
     params = [
         {
             "w1": jax.random.normal(keys[2 * i], (width, hidden)) * width**-0.5,
@@ -101,6 +78,17 @@ def _mix5():
         return jnp.mean(x**2)
 
     return loss, (params, x)
+
+
+def _mlp6():
+    """6 named tanh layers, hidden 32."""
+    return _residual_mlp((jnp.tanh,) * 6, hidden=32, seed=0)
+
+
+def _mix5():
+    """5 named layers with different nonlinearities (tanh, relu, gelu, sigmoid, sin)."""
+    acts = (jnp.tanh, jax.nn.relu, jax.nn.gelu, jax.nn.sigmoid, jnp.sin)
+    return _residual_mlp(acts, hidden=24, seed=1)
 
 
 #: name -> (program, save options). The MLP's six layers force 9 cut candidates (its layer
