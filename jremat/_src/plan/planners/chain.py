@@ -8,11 +8,8 @@ DP's discretization: docs/design.md#planners.
 
 from __future__ import annotations
 
-from jremat._src.plan.offload import OffloadCost
 from jremat._src.plan.plan import Plan
-from jremat._src.plan.planners.model import OnSegmentModel, SegmentModel, within_budget
-from jremat._src.plan.planners.segments import SAVE_OPTIONS
-from jremat._src.trace.graph import Graph
+from jremat._src.plan.planners.model import OnSegmentModel, within_budget
 
 # `within_budget` (the DP, defined in `model`) stays importable from here as well
 __all__ = ["ChainPlanner", "within_budget"]
@@ -30,16 +27,6 @@ class ChainPlanner(OnSegmentModel):
     """
 
     name = "chain"
-
-    def __init__(
-        self,
-        graph: Graph,
-        max_cuts: int = 160,
-        options=tuple(SAVE_OPTIONS),
-        offload: OffloadCost | None = None,
-    ):
-        self.model = SegmentModel(graph, max_cuts, options, offload)
-        self.offload = offload
 
     def plan(self, model_budget: float) -> Plan | None:
         """Lowest-cost plan (FLOPs, with offload transfers) whose modelled peak is <=

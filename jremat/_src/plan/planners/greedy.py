@@ -7,11 +7,9 @@ byte stored, until the budget is spent. Details: docs/design.md#planners.
 
 from __future__ import annotations
 
-from jremat._src.plan.offload import OffloadCost
 from jremat._src.plan.plan import Plan
 from jremat._src.plan.planners.model import OnSegmentModel, SegmentModel, Segments
-from jremat._src.plan.planners.segments import KEEP_OPTION, SAVE_OPTIONS
-from jremat._src.trace.graph import Graph
+from jremat._src.plan.planners.segments import KEEP_OPTION
 from jremat._src.trace.layers import layer_segments
 
 #: Options from the least memory to the most; the greedy moves segments up this ladder.
@@ -84,16 +82,6 @@ class GreedyPlanner(OnSegmentModel):
     """
 
     name = "greedy"
-
-    def __init__(
-        self,
-        graph: Graph,
-        max_cuts: int = 160,
-        options=tuple(SAVE_OPTIONS),
-        offload: OffloadCost | None = None,
-    ):
-        self.model = SegmentModel(graph, max_cuts, options, offload)
-        self.offload = offload
 
     def choose(self, model_budget: float) -> Segments | None:
         """`choose` on this planner's model."""

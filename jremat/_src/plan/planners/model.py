@@ -424,11 +424,22 @@ class SegmentModel:
 
 
 class OnSegmentModel:
-    """What every planner answers from its `SegmentModel` (`self.model`) under its `name`;
+    """What every planner answers from its `SegmentModel` (`self.model`) under its `name`,
+    and the constructor chain and greedy take as it is (dtr and milp take other keywords);
     chain, greedy, dtr and milp inherit it and differ in how they `plan`."""
 
     model: SegmentModel
     name: str
+
+    def __init__(
+        self,
+        graph: Graph,
+        max_cuts: int = 160,
+        options=tuple(SAVE_OPTIONS),
+        offload: OffloadCost | None = None,
+    ):
+        self.model = SegmentModel(graph, max_cuts, options, offload)
+        self.offload = offload
 
     @property
     def table(self) -> SegmentTable:
