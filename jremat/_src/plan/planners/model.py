@@ -23,6 +23,7 @@ import dataclasses
 import math
 
 import numpy as np
+from numpy.lib.stride_tricks import sliding_window_view
 
 from jremat._src.plan.offload import OffloadCost
 from jremat._src.plan.plan import KEEP, SAVE_NAMES, Plan, Segment
@@ -47,28 +48,27 @@ GRID = 384  # memory buckets of the budgeted DP
 INFLATIONS = (0.04, 0.02, 0.01)
 
 
-def _options(t: SegmentTable, a: int, b: int):
-    """(option name, stored, transient, cost) for segment (a, b) under every option; cost is
-    recompute FLOPs plus offload transfers as FLOP-equivalents (`SegmentTable.cost`)."""
-    for k, name in enumerate(t.options):
-        yield name, t.stored[k, a, b], t.transient[k, a, b], t.cost[k, a, b]
-
-
 def min_memory(t: SegmentTable) -> tuple[float, Segments]:
     """The segmentation with the smallest modelled peak in bytes (ties: fewest FLOPs). Exact
     DP."""
     m = len(t.cuts)
-    best = [(math.inf, math.inf)] * m  # (peak of suffix, flops)
+    peak_of = np.full(m, math.inf)  # smallest peak of the suffix from each cut
+    flops_of = np.full(m, math.inf)  # its FLOPs
     choice: list[tuple[int, str] | None] = [None] * m
-    best[m - 1] = (0.0, 0.0)
+    peak_of[m - 1] = flops_of[m - 1] = 0.0
     for a in range(m - 2, -1, -1):
-        for b in range(a + 1, m):
-            for mode, stored, trans, fl in _options(t, a, b):
-                peak = max(stored + trans, stored + best[b][0])
-                cand = (peak, fl + best[b][1])
-                if cand < best[a]:
-                    best[a], choice[a] = cand, (b, mode)
-    return best[0][0], _walk(choice, m)
+        # every segment (a, b) under every option: shape (b, option)
+        stored, trans, fl = (x[:, a, a + 1 :].T for x in (t.stored, t.transient, t.cost))
+        peak = np.maximum(stored + trans, stored + peak_of[a + 1 :, None])
+        flops = fl + flops_of[a + 1 :, None]
+        # lexicographic (peak, FLOPs) minimum; ties: the smallest b, then the first option
+        lowest = peak.min()
+        flops = np.where(peak == lowest, flops, math.inf)
+        i, k = np.unravel_index(np.argmin(flops), flops.shape)
+        if (lowest, flops[i, k]) < (math.inf, math.inf):
+            peak_of[a], flops_of[a] = lowest, flops[i, k]
+            choice[a] = (a + 1 + int(i), t.options[int(k)])
+    return float(peak_of[0]), _walk(choice, m)
 
 
 def within_budget(
@@ -85,14 +85,18 @@ def within_budget(
     if budget <= 0:
         return None
     q = budget / GRID
-    levels = np.arange(GRID + 1) * q  # memory available at each bucket
+    width = GRID + 1  # memory levels 0..GRID buckets
+    levels = np.arange(width) * q  # memory available at each bucket
     inf = np.inf
-    F = np.full((m, GRID + 1), inf)
-    F[m - 1, :] = 0.0
-    arg_b = np.full((m, GRID + 1), -1, dtype=np.int32)
-    arg_mode = np.zeros((m, GRID + 1), dtype=np.int8)
+    # F[b, L], the cheapest suffix from cut b with L buckets left, sits after `width` columns
+    # of inf, so F[b, L - s] for every level L (inf where L < s) is one contiguous window
+    padded = np.full((m, 2 * width), inf)
+    padded[m - 1, width:] = 0.0
+    windows = sliding_window_view(padded, width, axis=1)  # [b, o] = padded[b, o : o + width]
+    arg_b = np.full((m, width), -1, dtype=np.int32)
+    arg_mode = np.zeros((m, width), dtype=np.int8)
     K = len(t.options)
-    cols = np.arange(GRID + 1)
+    cols = np.arange(width)
     for a in range(m - 2, -1, -1):
         # every segment (a, b) under every option at once: shape (b, option, memory level)
         bs = np.arange(a + 1, m)
@@ -100,25 +104,32 @@ def within_budget(
         finite = np.isfinite(stored)
         stored_q = np.where(finite, stored, 0) / q
         rnd = np.ceil(stored_q - 1e-9) if round_up else np.floor(stored_q + 1e-9)
-        shift = np.where(finite, rnd, GRID + 1)
-        idx = cols[None, None, :] - shift[:, :, None].astype(np.int64)
-        ok = (idx >= 0) & (levels[None, None, :] >= (stored + trans)[:, :, None])
-        rest = F[bs[:, None, None], np.maximum(idx, 0)]
-        cand = np.where(ok, fl[:, :, None] + rest, inf).reshape(len(bs) * K, GRID + 1)
+        shift = np.where(finite, np.minimum(rnd, width), width).astype(np.int64)
+        need = np.searchsorted(levels, stored + trans)  # the first level that holds the segment
+        # only (b, option) pairs that fit at some level, in (b, option) order
+        rows_b, rows_k = np.nonzero(need <= GRID)
+        if not len(rows_b):
+            continue
+        rest = windows[bs[rows_b], width - shift[rows_b, rows_k]]  # F[b, L - shift]
+        cand = np.where(
+            cols >= need[rows_b, rows_k][:, None], fl[rows_b, rows_k][:, None] + rest, inf
+        )
         first = np.argmin(cand, axis=0)  # ties: the smallest b, then the first option
-        F[a] = cand[first, cols]
-        arg_b[a] = np.where(np.isfinite(F[a]), bs[first // K], -1)
-        arg_mode[a] = first % K
-    if not np.isfinite(F[0, GRID]):
+        best = cand[first, cols]
+        padded[a, width:] = best
+        arg_b[a] = np.where(np.isfinite(best), bs[rows_b[first]], -1)
+        arg_mode[a] = rows_k[first]
+    total = padded[0, width + GRID]
+    if not np.isfinite(total):
         return None
     segs, a, level = [], 0, GRID
     while a < m - 1:
         b, k = int(arg_b[a, level]), int(arg_mode[a, level])
-        mode, stored, _, _ = list(_options(t, a, b))[k]
-        segs.append((a, b, mode))
+        stored = t.stored[k, a, b]
+        segs.append((a, b, t.options[k]))
         level -= int(math.ceil(stored / q - 1e-9) if round_up else math.floor(stored / q + 1e-9))
         a = b
-    return float(F[0, GRID]), segs
+    return float(total), segs
 
 
 def _exact_peak(t: SegmentTable, segs: Segments) -> float:
