@@ -33,7 +33,7 @@ from jremat._src.plan.offload import OffloadCost, host_offload_effective, offloa
 from jremat._src.plan.plan import Plan, plan_key
 from jremat._src.plan.planners import PLANNERS
 from jremat._src.plan.recipes import anchor_plans, scan_configs
-from jremat._src.plan.rewrite import rematerialize
+from jremat._src.plan.rewrite import graph_function, holds_tracers, rematerialize
 from jremat._src.trace.graph import Graph, build_graph
 from jremat._src.trace.layers import has_scan
 
@@ -85,7 +85,11 @@ class Objective:
 
     def step_fn(self, prog: Program, plan: Plan | None) -> Callable[..., Any]:
         """The scalar function whose `value_and_grad` is compiled for `plan` (None: no remat)."""
-        return prog.fn if plan is None else rematerialize(prog.fn, plan)
+        if plan is None or plan.is_identity:
+            return prog.fn
+        if prog.graph_reusable:  # the graph at these arguments: fn is not traced again
+            return graph_function(prog.graph, plan)
+        return rematerialize(prog.fn, plan)
 
     def figures(self, prog: Program, mem: MemoryFigures, flops: float) -> Compiled:
         """The plan's figures from its compiled step's memory figures and FLOPs."""
@@ -126,6 +130,9 @@ class Program:
         else:  # checked on the traced outputs' shapes: fn is not traced again
             check_loss_output(graph.out_shape, self.has_aux)
         self.graph: Graph = graph
+        #: the graph's constants are concrete: candidates are compiled from it without
+        #: tracing `fn` again (`rewrite.graph_function`)
+        self.graph_reusable = not holds_tracers(graph)
         #: inside a shard_map body: its mesh axes, bound when compiling (see compile_step)
         self.manual_axes = manual_axes()
         self._baseline: Compiled | None = None

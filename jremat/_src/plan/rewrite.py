@@ -467,7 +467,7 @@ def rematerialize(
                 )
             if has_aux:
                 check_loss_output(graph.out_shape, has_aux=True)
-            if not _holds_tracers(graph):
+            if not holds_tracers(graph):
                 graphs[key] = graph
         outs = run_graph(graph, plan, jax.tree_util.tree_leaves(args), prevent_cse=prevent_cse)
         return jax.tree_util.tree_unflatten(graph.out_tree, outs)
@@ -476,5 +476,25 @@ def rematerialize(
     return rematerialized
 
 
-def _holds_tracers(graph: Graph) -> bool:
+def graph_function(graph: Graph, plan: Plan) -> Callable[..., Any]:
+    """The function `rematerialize(fn, plan)` returns, for calls at the one signature `graph`
+    (`build_graph(fn, ...)`) was traced at, without tracing `fn` again: it evaluates `graph`'s
+    equations under `plan` (a candidate compile then traces the user's code once, not twice).
+
+    Raises:
+      ValueError: `graph` holds tracers of another trace (its constants were captured inside
+        a transformation): call `rematerialize(fn, plan)` instead, which traces per call.
+    """
+    if holds_tracers(graph):
+        raise ValueError("graph_function: the graph holds tracers; use rematerialize(fn, plan)")
+
+    def rematerialized(*args: Any) -> Any:
+        outs = run_graph(graph, plan, jax.tree_util.tree_leaves(args))
+        return jax.tree_util.tree_unflatten(graph.out_tree, outs)
+
+    return rematerialized
+
+
+def holds_tracers(graph: Graph) -> bool:
+    """Whether `graph`'s constants include tracers (it was traced inside a transformation)."""
     return any(_compat.is_tracer(c) for c in graph.consts.values())
