@@ -17,6 +17,7 @@ from jremat._src.base import compat as _compat
 from jremat._src.compile.program import Compiled, Objective, Program
 from jremat._src.compile.xla import MemoryFigures
 from jremat._src.plan.plan import KEEP, SAVE_NAMES, Plan, Segment
+from jremat._src.plan.recipes import has_batched_dot
 from jremat._src.plan.rewrite import run_graph
 from jremat._src.trace.graph import Graph
 
@@ -186,7 +187,7 @@ class BlockProgram(Program):
         Compiled in parallel with the plans of `also` (not returned)."""
         if planner.name not in self._anchors:
             policies = list(BLOCK_ANCHORS)
-            if not _has_batched_dot(self.block):  # then it saves what dots_saveable saves
+            if not has_batched_dot(self.block):  # then it saves what dots_saveable saves
                 policies.remove("dots_with_no_batch_dims_saveable")
             plans = [planner.min_memory_plan()] + [
                 whole_block_plan(self.graph, self.block.num_nodes, pol) for pol in policies
@@ -194,14 +195,6 @@ class BlockProgram(Program):
             compiled = self.compile_many([*plans, *also])[: len(plans)]
             self._anchors[planner.name] = list(zip(plans, compiled, strict=True))
         return [(copy.deepcopy(p), c) for p, c in self._anchors[planner.name]]
-
-
-def _has_batched_dot(graph: Graph) -> bool:
-    """Whether a top-level `dot_general` of `graph` has batch dimensions (attention does)."""
-    return any(
-        n.primitive == "dot_general" and n.eqn.params["dimension_numbers"][1][0]
-        for n in graph.nodes
-    )
 
 
 def whole_block_plan(graph: Graph, n: int, policy: str = SAVE_NAMES) -> Plan:

@@ -32,7 +32,7 @@ from jremat._src.compile.xla import MemoryFigures, compile_figures, compile_step
 from jremat._src.plan.offload import OffloadCost, host_offload_effective, offload_proxy, offloads
 from jremat._src.plan.plan import Plan, plan_key
 from jremat._src.plan.planners import PLANNERS
-from jremat._src.plan.recipes import anchor_plans, scan_configs
+from jremat._src.plan.recipes import anchor_plans, has_batched_dot, same_program_key, scan_configs
 from jremat._src.plan.rewrite import graph_function, holds_tracers, rematerialize
 from jremat._src.trace.graph import Graph, build_graph
 from jremat._src.trace.layers import has_scan
@@ -140,6 +140,7 @@ class Program:
         self._planners: dict = {}
         self._steps: dict[str, tuple[Compiled, Any, float]] = {}
         self._grad_temps: dict[str, int] = {}
+        self._batched_dots: bool | None = None
         self.tried: list[tuple[Plan, Compiled]] = []  # every plan compiled on this program
         self._anchors: dict = {}
         self.objective = Objective() if objective is None else objective
@@ -152,6 +153,13 @@ class Program:
             and arg_mesh(jax.tree_util.tree_leaves(self.args)) is None
             and (ambient is None or getattr(ambient, "empty", True))
         )
+
+    def program_key(self, plan: Plan | None) -> str:
+        """The memo key of `plan`'s compiled step: equal for plans that compile to the same
+        program (`recipes.same_program_key`)."""
+        if self._batched_dots is None:
+            self._batched_dots = has_batched_dot(self.graph)
+        return same_program_key(plan, self._batched_dots)
 
     @property
     def compiles(self) -> int:
@@ -168,7 +176,7 @@ class Program:
         """(figures, executable, compile seconds) of `jit(value_and_grad)` of the objective's
         function under `plan`, compiled once per plan structure; every compiled plan is also
         listed in `tried`."""
-        key = plan_key(plan)
+        key = self.program_key(plan)
         with self._lock:
             found = self._steps.get(key)
         return found if found is not None else self._store(plan, self._compile_step(plan))
@@ -181,8 +189,8 @@ class Program:
         with self._lock:
             firsts: dict[str, Plan | None] = {}  # plan key -> its first plan, in order
             for p in plans:
-                if plan_key(p) not in self._steps:
-                    firsts.setdefault(plan_key(p), p)
+                if self.program_key(p) not in self._steps:
+                    firsts.setdefault(self.program_key(p), p)
         todo = list(firsts.values())
         workers = min(len(todo), COMPILE_THREADS) if self._threads_ok else 1
         if workers > 1:
@@ -218,7 +226,7 @@ class Program:
         return compiled, exe, seconds
 
     def _store(self, plan: Plan | None, step: tuple[Compiled, Any, float]):
-        key = plan_key(plan)
+        key = self.program_key(plan)
         with self._lock:
             if key not in self._steps:
                 self._steps[key] = step
@@ -239,7 +247,7 @@ class Program:
         same = self.compile(plan).temp_bytes
         if self.manual_axes or type(self.objective) is not Objective or offloads(plan):
             return same
-        key = plan_key(plan)
+        key = self.program_key(plan)
         with self._lock:
             found = self._grad_temps.get(key)
         if found is None:

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import math
 
-from jremat._src.plan.plan import Plan, ScanSetting
+from jremat._src.base import compat as _compat
+from jremat._src.plan.plan import Plan, ScanSetting, plan_key
 from jremat._src.trace.graph import Graph
 from jremat._src.trace.layers import flop_chunks, layer_segments, layer_source, sqrt_divisor
 
@@ -25,6 +26,34 @@ ANCHOR_RECIPES = (
 #: outside every segment, and on some programs equal-FLOP chunks covering everything reach
 #: lower (docs/design.md#layers-without-names).
 UNNAMED_EXTRA_RECIPES = (("nothing_saveable", "chunks"), ("nothing_saveable", "chunks_sqrt_n"))
+
+
+#: Saves what `dots_saveable` saves when no `dot_general` has batch dimensions.
+NO_BATCH_DOTS = "dots_with_no_batch_dims_saveable"
+
+
+def has_batched_dot(graph: Graph) -> bool:
+    """Whether some `dot_general` of `graph`, nested jaxprs included (scan bodies, calls), has
+    batch dimensions (attention does)."""
+
+    def batched(eqns) -> bool:
+        for eqn in eqns:
+            if eqn.primitive.name == "dot_general" and eqn.params["dimension_numbers"][1][0]:
+                return True
+            if any(batched(sub.eqns) for sub in _compat.subjaxprs(eqn)):
+                return True
+        return False
+
+    return batched([n.eqn for n in graph.nodes])
+
+
+def same_program_key(plan: Plan | None, batched_dots: bool) -> str:
+    """`plan_key(plan)`, equal for plans that compile to the same program: without a batched
+    `dot_general` (`has_batched_dot` False), `NO_BATCH_DOTS` saves what `dots_saveable`
+    saves, so segments and scans under either count as the same."""
+    if plan is None or batched_dots or NO_BATCH_DOTS not in plan_key(plan):
+        return plan_key(plan)
+    return plan_key(plan).replace(NO_BATCH_DOTS, "dots_saveable")
 
 
 def anchor_plans(graph: Graph) -> list[Plan]:

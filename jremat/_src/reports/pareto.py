@@ -54,5 +54,3 @@ def pareto_front(points: Sequence[Sequence[float]]) -> list[int]:
         elif best_pt is not None and (x, y) == best_pt:
             front.append(i)
     return front
-
-

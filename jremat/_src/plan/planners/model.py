@@ -95,7 +95,6 @@ def within_budget(
     windows = sliding_window_view(padded, width, axis=1)  # [b, o] = padded[b, o : o + width]
     arg_b = np.full((m, width), -1, dtype=np.int32)
     arg_mode = np.zeros((m, width), dtype=np.int8)
-    K = len(t.options)
     cols = np.arange(width)
     for a in range(m - 2, -1, -1):
         # every segment (a, b) under every option at once: shape (b, option, memory level)
