@@ -31,7 +31,9 @@ class Measurement:
       temp_bytes: XLA's packed peak of live temporaries (activations, residuals, gradients in
         flight), in bytes: `memory_analysis().temp_size_in_bytes`.
       footprint_bytes: argument + output - alias + temp bytes: the device memory of the step.
-      flops: `cost_analysis()["flops"]`, with every scan body multiplied by its trip count.
+      flops: `cost_analysis()["flops"]` plus its `"transcendentals"` (`exp`, `tanh` ... count
+        1 per element, as in jremat's FLOP table), with every scan body multiplied by its trip
+        count.
       compile_seconds: wall seconds to lower and compile.
       step_seconds: median wall seconds of one executed step over `runs`, or None.
       argument_bytes, output_bytes, alias_bytes: the other terms of the footprint.

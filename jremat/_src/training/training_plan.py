@@ -48,8 +48,8 @@ class TrainingPlan:
       compiled_footprint_bytes: compiled footprint of the chosen train step in bytes
         (argument + output - alias + temp, from `compiled.memory_analysis()`).
         `predicted_footprint_bytes` is a deprecated alias (it is no prediction).
-      flops: compiled FLOPs of the chosen train step (`cost_analysis()["flops"]`, loop
-        bodies counted once per trip).
+      flops: compiled FLOPs of the chosen train step (`cost_analysis()` flops plus
+        transcendentals, loop bodies counted once per trip).
       alternatives: one dict per configuration considered, in the order compiled:
         `{"k": int, "remat_budget": float | None, "footprint_bytes": int | None,
         "temp_bytes": int | None, "flops": float | None, "fits": bool}` (plus `"error"`,
@@ -126,7 +126,11 @@ def _check_candidates(candidates: Iterable[int], size: int) -> list[int]:
 
 
 def _value_and_grad(
-    loss_fn: Callable[..., Any], k: int, plan: Plan | None, has_aux: bool, aux_reduction: Any
+    loss_fn: Callable[..., Any],
+    k: int,
+    plan: Plan | None,
+    has_aux: bool = False,
+    aux_reduction: Any = "mean",
 ):
     f = loss_fn if plan is None else rematerialize(loss_fn, plan, has_aux=has_aux)
     if k == 1:
