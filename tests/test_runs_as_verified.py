@@ -95,13 +95,21 @@ def test_static_string_and_bool_through_the_callers_jit(chain):
 
 
 # -- degenerate programs ------------------------------------------------------------------------
-@pytest.mark.parametrize("budget", [1.0, 0.5])
-def test_program_without_equations_runs_unchanged(budget):
+@pytest.mark.parametrize("budget", [1.0, 0.5, 0.99])
+def test_program_without_equations_runs_unchanged_at_one_and_raises_below(budget):
     """`lambda x: x` and a jit returning an input trace to no equations: nothing to keep or
-    recompute (compiled temp 0, so any budget holds); the function runs as written."""
+    recompute. At budget 1.0 the function runs as written; below it no budget can be met,
+    which is said (naming budget=1.0) rather than running it unchanged in silence."""
     x, y = jnp.float32(2.0), jnp.ones(3)
     for fn, args in [(lambda a: a, (x,)), (jax.jit(lambda a, b: a), (x, y))]:
         f = jremat.auto(fn, budget=budget)
+        if budget < 1:
+            with pytest.raises(jremat.InfeasibleBudgetError, match=r"no equations.*budget=1\.0"):
+                jax.grad(f)(*args)
+            with pytest.raises(jremat.InfeasibleBudgetError, match="nothing can be remat") as e:
+                jremat.plan(fn, *args, budget=budget)
+            assert e.value.smallest_reachable == 1.0
+            continue
         chex.assert_trees_all_close(jax.grad(f)(*args), jax.grad(fn)(*args))
         p = only_plan(f)
         assert p.is_identity and p.num_nodes == 0 and p.segments == []
