@@ -342,7 +342,9 @@ def _layers(graph: Graph) -> list[tuple[int, int, str]]:
     return out
 
 
-def _recomputed_nodes(graph: Graph, p: Plan, seg_of: list[int], kept: Callable[[int], bool]) -> set[int]:
+def _recomputed_nodes(
+    graph: Graph, p: Plan, seg_of: list[int], kept: Callable[[int], bool]
+) -> set[int]:
     """Indices of the equations the backward pass of the checkpointed segments runs again.
 
     A checkpointed segment's backward needs the residuals of its own equations; those it
