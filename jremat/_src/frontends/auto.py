@@ -81,7 +81,8 @@ def auto(
       argnums: the differentiated arguments of a plain loss function, as in `jax.grad`.
         None (default): the arguments the caller differentiates (those `jax.grad`/`jax.vjp`/
         `jax.value_and_grad` around the call trace), planned per such set; 0 where nothing
-        around the call differentiates it (an eager call, or inside `jit` before `grad`).
+        around the call differentiates it (an eager call; `jax.grad(jax.jit(step))`, where
+        `jit` traces the call before `grad` differentiates it).
         Given, it must match what the caller differentiates (else a ValueError at the call).
         Flax blocks differentiate all their float variables and inputs.
       verify: compile and check each plan against the budget (default True). With False,
