@@ -100,10 +100,11 @@ _WRAPPED: dict[str, object] = {}
 
 
 def _planned_wrapper():
-    """`jremat.auto(_loss, **OPTIONS)`, planned once for all variants."""
+    """`jremat.auto(_loss, **OPTIONS)`, planned once for all variants: for the step they run,
+    which differentiates both arguments."""
     if "w" not in _WRAPPED:
         wrapped = jremat.auto(_loss, **OPTIONS)
-        wrapped(W, X)
+        jax.eval_shape(jax.value_and_grad(wrapped, argnums=(0, 1)), W, X)
         (p,) = wrapped.plans.values()
         assert not p.is_identity  # the gradients go through checkpointed segments
         _WRAPPED["w"] = wrapped

@@ -56,6 +56,9 @@ def test_explain_function_per_layer_with_compiled_figures():
     assert e.planned_temp_bytes <= 0.6 * e.baseline_temp_bytes
     recomputed = [r for r in e.rows if r.recomputed_bytes]
     assert recomputed and e.total_recompute_flops > 0
+    # what the backward pass reruns (equations JAX's DCE keeps), as the compiled FLOPs say
+    extra = e.plan.measured_flops - e.plan.baseline_flops
+    assert e.total_recompute_flops == pytest.approx(extra, rel=0.15)
     assert all(r.recomputed for r in recomputed)  # shapes listed, e.g. "float32[128, 64]"
     assert any("float32[128, 64]" in s for r in e.rows for s in r.saved + r.recomputed)
     assert any("test_explain.py" in r.source for r in e.rows)  # the user's lines

@@ -101,3 +101,50 @@ def test_has_aux_checks_its_output_and_its_type(chain, aux_plan):
         jremat.auto(loss, budget=BUDGET, has_aux="yes")
     with pytest.raises(TypeError, match="has_aux must be a bool"):
         jremat.rematerialize(loss, aux_plan, has_aux=1)
+
+
+# -- measure, compare, plan_training -----------------------------------------------------------
+def test_measure_with_aux_measures_the_step_that_computes_both(chain, reference):
+    loss, args = chain
+    step = jax.jit(jax.value_and_grad(loss, has_aux=True)).lower(*args).compile()
+    m = jremat.measure(loss, *args, has_aux=True)
+    assert m.temp_bytes == reference[1] == step.memory_analysis().temp_size_in_bytes
+    cost = step.cost_analysis()
+    assert m.flops == cost["flops"] + cost["transcendentals"]
+    with pytest.raises(TypeError, match="has_aux"):
+        jremat.measure(loss, *args)  # a pair without has_aux names it
+
+
+def test_compare_with_aux(chain, reference):
+    loss, args = chain
+    c = jremat.compare(
+        loss, *args, policies=["nothing_saveable"], budgets=(), has_aux=True, progress=False
+    )
+    base, remat = c.rows
+    assert base.temp_bytes == reference[1]  # no remat: the step with its aux
+    assert remat.ok and remat.temp_bytes < base.temp_bytes
+    assert remat.max_grad_diff < 1e-5
+
+
+def test_plan_training_with_aux(chain, reference):
+    """One microbatch without remat fits: the chosen step is `jit(value_and_grad(loss,
+    has_aux=True))`; two microbatches average the aux (microbatch's aux_reduction)."""
+    loss, args = chain
+    expected, _ = reference
+    step = jax.jit(jax.value_and_grad(loss, has_aux=True)).lower(*args).compile()
+    mem = step.memory_analysis()
+    footprint = (
+        mem.argument_size_in_bytes
+        + mem.output_size_in_bytes
+        - mem.alias_size_in_bytes
+        + mem.temp_size_in_bytes
+    )
+    tp = jremat.plan_training(loss, *args, budget=footprint, candidates=[1], has_aux=True)
+    assert (tp.num_microbatches, tp.plan, tp.compiled_footprint_bytes) == (1, None, footprint)
+    chex.assert_trees_all_close(tp.value_and_grad(*args), expected, rtol=1e-5)
+    two = jremat.plan_training(
+        loss, *args, budget=footprint, candidates=[2], remat_budgets=(), has_aux=True
+    )
+    (value, aux), grads = jax.jit(two.value_and_grad)(*args)
+    chex.assert_trees_all_close((value, grads), (expected[0][0], expected[1]), rtol=1e-4, atol=1e-6)
+    assert jax.tree.structure(aux) == jax.tree.structure(expected[0][1])

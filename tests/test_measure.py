@@ -132,3 +132,52 @@ def test_measure_of_a_rematerialized_function(cache):
     assert r.temp_bytes < base.temp_bytes
     assert r.flops > base.flops
     assert (r.argument_bytes, r.output_bytes) == (base.argument_bytes, base.output_bytes)
+
+
+# -- elementwise and transcendental work ------------------------------------------------------
+def _transcendental_scan(checkpoint_body: bool = False):
+    """A scan whose body is only transcendental work (XLA counts none of it as "flops")."""
+
+    def body(c, _):
+        return jnp.sin(jnp.tanh(c)), None
+
+    def loss(x):
+        f = jax.checkpoint(body) if checkpoint_body else body
+        return jnp.mean(jax.lax.scan(f, x, None, length=4)[0])
+
+    return loss
+
+
+X_TRANSCENDENTAL = jnp.linspace(-1.0, 1.0, 64 * 64).reshape(64, 64)
+
+
+def test_flops_count_transcendentals_as_the_cost_model_does():
+    from jremat._src.trace import cost_model
+
+    x = jnp.ones((64, 32))
+    fn = lambda x: jnp.tanh(jnp.exp(x))  # noqa: E731
+    (eqn_exp, eqn_tanh) = jax.make_jaxpr(fn)(x).jaxpr.eqns
+    want = cost_model.eqn_flops(eqn_exp) + cost_model.eqn_flops(eqn_tanh)
+    assert xla_flops(jax.jit(fn).lower(x).compile()) == want == 2 * 64 * 32
+
+
+def test_recomputing_a_transcendental_scan_body_is_not_free():
+    """Recomputing the whole body costs its FLOPs (jremat.plan ranks compiled candidates by
+    these figures: a whole-scan recompute counted as free won at budget 0.9, +0.0% FLOPs)."""
+    loss, x = _transcendental_scan(), X_TRANSCENDENTAL
+    base = jremat.measure(loss, x)
+    whole = jremat.measure(_transcendental_scan(checkpoint_body=True), x)
+    assert whole.flops >= base.flops + 4 * x.size  # tanh again (its backward needs it), every trip
+
+
+def test_a_backend_that_counts_no_flops_gets_the_cost_models(monkeypatch):
+    """Where XLA reports no FLOPs (for a step or a scan body), jremat's FLOP table counts them."""
+    from jremat._src.compile import xla
+    from jremat._src.trace import cost_model
+
+    loss, x = _transcendental_scan(), X_TRANSCENDENTAL
+    monkeypatch.setattr(xla, "xla_flops", lambda compiled: 0.0)
+    step = jax.make_jaxpr(jax.value_and_grad(loss))(x).jaxpr
+    assert jremat.measure(loss, x).flops == cost_model.jaxpr_flops(step) > 16 * x.size
+    body = next(e for e in step.eqns if e.primitive.name == "scan").params["jaxpr"]
+    assert xla._body_flops(body, {}) == cost_model.jaxpr_flops(body) > 0

@@ -8,6 +8,8 @@ decorated module plan (planning happens when its call is traced).
 from __future__ import annotations
 
 import json
+import os
+import stat
 import subprocess
 import sys
 import warnings
@@ -340,3 +342,21 @@ def test_a_second_process_finds_its_plan_in_the_default_cache(tmp_path, monkeypa
         [sys.executable, "-c", _WARM_MODEL + _WARM_RUN], capture_output=True, text=True, check=True
     )
     assert again.stdout.split() == ["0", "0", "1", value]
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o027])
+def test_saved_plans_are_readable_as_the_umask_allows(tmp_path, umask):
+    """Saved as JAX's compilation cache files are (mode 0o666 under the umask: 0o644 with the
+    usual 0o022), not 0o600 as `tempfile.mkstemp` makes them, so a shared cache folder can be
+    read by the other users of a job; no temporary file is left behind."""
+    graph = jremat.trace(lambda x: jnp.sum(jnp.tanh(x)), X)
+    cache = PlanCache(0.5, plan_dir=tmp_path)
+    old = os.umask(umask)
+    try:
+        cache._save("k", jremat.Plan.identity(graph))
+    finally:
+        os.umask(old)
+    path = cache.path("k")
+    assert stat.S_IMODE(path.stat().st_mode) == 0o666 & ~umask
+    assert jremat.Plan.load(path).fingerprint == graph.fingerprint
+    assert [p.name for p in tmp_path.iterdir()] == [path.name]

@@ -15,6 +15,8 @@ from pathlib import Path
 
 import pytest
 
+import jremat
+
 README = Path(__file__).resolve().parent.parent / "README.md"
 BLOCKS = re.findall(r"^```python\n(.*?)^```", README.read_text(encoding="utf-8"), re.M | re.S)
 
@@ -47,3 +49,10 @@ def test_readme_block_runs_as_written(index, capsys, tmp_path, monkeypatch):
         assert plan.measured_temp_bytes <= plan.budget_temp_bytes
         assert out.startswith(f"jremat plan ({plan.solver}): budget 0.4 = at most ")
         assert f"temp {plan.measured_temp_bytes / 2**20:.2f} MiB" in out
+        # `jremat.explain`'s rows of this plan count the recompute the compiled step runs
+        from jremat._src.reports.explain import explain_plan
+
+        with jremat.disabled():
+            graph = jremat.trace(namespace["loss"], namespace["params"], namespace["x"])
+        recompute = sum(r.recompute_flops for r in explain_plan(graph, plan))
+        assert recompute == pytest.approx(plan.measured_flops - plan.baseline_flops, rel=0.15)

@@ -95,13 +95,21 @@ def test_static_string_and_bool_through_the_callers_jit(chain):
 
 
 # -- degenerate programs ------------------------------------------------------------------------
-@pytest.mark.parametrize("budget", [1.0, 0.5])
-def test_program_without_equations_runs_unchanged(budget):
+@pytest.mark.parametrize("budget", [1.0, 0.5, 0.99])
+def test_program_without_equations_runs_unchanged_at_one_and_raises_below(budget):
     """`lambda x: x` and a jit returning an input trace to no equations: nothing to keep or
-    recompute (compiled temp 0, so any budget holds); the function runs as written."""
+    recompute. At budget 1.0 the function runs as written; below it no budget can be met,
+    which is said (naming budget=1.0) rather than running it unchanged in silence."""
     x, y = jnp.float32(2.0), jnp.ones(3)
     for fn, args in [(lambda a: a, (x,)), (jax.jit(lambda a, b: a), (x, y))]:
         f = jremat.auto(fn, budget=budget)
+        if budget < 1:
+            with pytest.raises(jremat.InfeasibleBudgetError, match=r"no equations.*budget=1\.0"):
+                jax.grad(f)(*args)
+            with pytest.raises(jremat.InfeasibleBudgetError, match="nothing can be remat") as e:
+                jremat.plan(fn, *args, budget=budget)
+            assert e.value.smallest_reachable == 1.0
+            continue
         chex.assert_trees_all_close(jax.grad(f)(*args), jax.grad(fn)(*args))
         p = only_plan(f)
         assert p.is_identity and p.num_nodes == 0 and p.segments == []
@@ -202,3 +210,31 @@ def test_static_python_int_through_the_callers_jit():
             step(params, x, n), jax.jit(jax.grad(_mlp_loss), static_argnums=2)(params, x, n)
         )
     assert len(f.plans) == 2
+
+
+# -- the arguments the caller differentiates ---------------------------------------------------
+def test_plans_the_arguments_the_callers_grad_differentiates(chain):
+    """`jit(grad(auto(loss), argnums=1))`: the backward pass that runs is the one w.r.t. the
+    input, so that is the one planned and verified (not argnums=0's)."""
+    loss, (params, x) = chain
+    f = jremat.auto(loss, budget=0.5, solver="chain", max_rounds=1)
+    step = jax.grad(f, argnums=1)
+    got = temp_bytes(step, params, x)
+    p = only_plan(f)
+    assert p.baseline_temp_bytes == pytest.approx(
+        temp_bytes(jax.grad(loss, argnums=1), params, x), rel=0.01
+    )
+    assert got <= p.budget_temp_bytes
+    chex.assert_trees_all_close(
+        jax.jit(step)(params, x), jax.grad(loss, argnums=1)(params, x), rtol=1e-5, atol=1e-7
+    )
+
+
+def test_argnums_given_and_the_caller_differentiating_others_raises(chain):
+    loss, (params, x) = chain
+    f = jremat.auto(loss, budget=0.5, argnums=0)
+    with pytest.raises(ValueError, match=r"argnums=0.*argument\(s\) \(1,\).*argnums=1"):
+        jax.eval_shape(jax.grad(f, argnums=1), params, x)
+    with pytest.raises(ValueError, match=r"argnums=\(0, 1\)"):
+        jax.eval_shape(jax.grad(f, argnums=(0, 1)), params, x)
+    assert f.plans == {}

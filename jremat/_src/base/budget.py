@@ -18,6 +18,8 @@ from typing import Any
 
 import numpy as np
 
+from jremat._src.base.errors import InfeasibleBudgetError
+
 ACCEPTED = (
     "a float in (0, 1] (fraction of the unrematerialized temp bytes), an int > 0 (footprint "
     'bytes), a string such as "512MiB" or "8GB", or "auto" (free device memory)'
@@ -67,6 +69,23 @@ class Budget:
         if self.fraction is not None:
             return math.ceil(temp_bytes / baseline_temp * 1e4) / 1e4 if baseline_temp else 1.0
         return int(temp_bytes + fixed_bytes)
+
+    def nothing_to_rematerialize(self, reason: str) -> InfeasibleBudgetError | None:
+        """The error for a program with nothing to rematerialize (`reason` says why, e.g. it
+        traces to no equations) when this budget asks for less than the unrematerialized
+        program (a fraction below 1); None when the program as written meets it. Only a
+        fraction can ask that without a compile: a byte budget is checked against the
+        compiled footprint as usual."""
+        if self.fraction is None or self.fraction >= 1:
+            return None
+        return InfeasibleBudgetError(
+            f"budget={self.raw!r} asks for less than the unrematerialized program, but {reason}"
+            ": nothing can be rematerialized, so no budget below it can be met. Pass "
+            "budget=1.0 to run the function unchanged.",
+            budget=self.raw,
+            smallest_reachable=1.0,
+            smallest_reachable_bytes=0,
+        )
 
     def describe(self, value: Any) -> str:
         if self.fraction is not None:

@@ -188,6 +188,29 @@ def _traced_for(x: Any) -> str | None:
     return None
 
 
+def _autodiff_tracer_types() -> tuple[type, ...]:
+    """The tracer types of JAX's autodiff traces: `JVPTracer` (`jax.jvp`, and `jax.grad`/
+    `jax.vjp` without direct linearization) and `LinearizeTracer` (`jax.grad`/`jax.vjp`/
+    `jax.linearize` under `jax_use_direct_linearize`, the default from jax 0.10)."""
+    from jax._src.interpreters import ad
+
+    return tuple(t for t in (getattr(ad, n, None) for n in ("JVPTracer", "LinearizeTracer")) if t)
+
+
+def is_differentiated(x: Any) -> bool:
+    """Whether `x` is a float value an enclosing autodiff transformation (`jax.grad`,
+    `jax.vjp`, `jax.value_and_grad`, `jax.jvp`, `jax.linearize`) differentiates: an autodiff
+    tracer, or a `vmap` tracer wrapping one. False for concrete values and for tracers of
+    jaxpr traces (`jit`, a loop body, `jax.checkpoint`), whose differentiation, if any, comes
+    later and cannot be seen here."""
+    kinds = _autodiff_tracer_types()
+    while isinstance(x, jax.core.Tracer):
+        if isinstance(x, kinds):
+            return is_float_dtype(getattr(x, "dtype", None))
+        x = getattr(x, "val", None)  # vmap's BatchTracer: the value it batches
+    return False
+
+
 def is_jaxpr_traced(x: Any) -> bool:
     """Whether `x` is (or wraps) a tracer of a jaxpr trace (`jit`, `scan`, ...), whose value
     and placement are unknown at trace time; False for concrete values and for JVP/linearize/

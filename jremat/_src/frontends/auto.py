@@ -34,7 +34,7 @@ def auto(
     *,
     budget: Any = 0.5,
     solver: str | None = None,
-    argnums: int | Sequence[int] = 0,
+    argnums: int | Sequence[int] | None = None,
     verify: bool = True,
     prevent_cse: bool = True,
     max_rounds: int = 4,
@@ -78,8 +78,13 @@ def auto(
         (`memory_stats()` on GPU/TPU, the host's available memory from psutil on CPU), read
         when a signature is first planned. Default 0.5.
       solver: the planner (see `jremat.plan`); None (default) uses `jremat.plan`'s default.
-      argnums: the differentiated arguments of a plain loss function, as in `jax.grad`
-        (default 0). Flax blocks differentiate all their float variables and inputs.
+      argnums: the differentiated arguments of a plain loss function, as in `jax.grad`.
+        None (default): the arguments the caller differentiates (those `jax.grad`/`jax.vjp`/
+        `jax.value_and_grad` around the call trace), planned per such set; 0 where nothing
+        around the call differentiates it (an eager call; `jax.grad(jax.jit(step))`, where
+        `jit` traces the call before `grad` differentiates it).
+        Given, it must match what the caller differentiates (else a ValueError at the call).
+        Flax blocks differentiate all their float variables and inputs.
       verify: compile and check each plan against the budget (default True). With False,
         nothing is compiled for a Flax block: below budget 1 it gets the one checkpoint that
         keeps only its inputs (as `nn.remat`); a loss function gets the cost model's plan.
@@ -150,6 +155,7 @@ def auto(
       InfeasibleBudgetError: at the first call of a signature whose budget is unreachable.
       ValueError: at the first call inside `jax.jit` on sharded (Auto mode) tracers without
         `in_shardings` (above).
+      ValueError: at a call that differentiates other arguments than the `argnums` given.
       TypeError: at a call with a non-array argument that is unhashable, or at `argnums`;
         at the first call of a signature, when `fn` does not return a scalar float loss (with
         `has_aux`, a pair whose first element is one).
@@ -264,10 +270,13 @@ def _auto_function(
                 "takes no keyword or static arguments; close over static values with "
                 "functools.partial."
             )
-        static = _static_positions(fn, args, options.argnums)
+        argnums = _planned_argnums(fn, args, options.argnums)
+        static = _static_positions(fn, args, argnums)
         dyn = tuple(a for i, a in enumerate(args) if i not in static)
         statics = tuple((i, args[i]) for i in static)
-        key = signature(dyn) if not statics else (signature(dyn), statics)
+        nums = _shift_argnums(argnums, static, len(args))
+        # another set of differentiated arguments is another backward pass: another plan
+        key = (signature(dyn), statics, nums)
         with lock:
             if key not in runners:
                 # static arguments (strings, bools, other non-array values: the caller's
@@ -276,7 +285,6 @@ def _auto_function(
                 in_shardings = _drop_static(options.in_shardings, static)
                 avals = shard_args(dyn, in_shardings, options.mesh)
                 check_known(dyn, avals, in_shardings)
-                nums = _shift_argnums(options.argnums, static, len(args))
                 # the one trace of fn at this signature: keyed, planned and run from it
                 graph = build_graph(f, avals, nums)
                 check_replayable(graph, getattr(fn, "__name__", "fn"))
@@ -319,6 +327,36 @@ def _is_static_arg(a: Any) -> bool:
         or not (isinstance(x, (int, float, complex)) or hasattr(x, "shape") and hasattr(x, "dtype"))
         for x in leaves
     )
+
+
+def _planned_argnums(fn: Any, args: Sequence[Any], argnums: Any) -> Any:
+    """The arguments whose backward pass is planned: those the caller differentiates (the
+    arguments holding autodiff tracers, `compat.is_differentiated`) when `argnums` was not
+    given, else `argnums`; 0 when nothing around the call differentiates (an eager or forward
+    call, or one traced inside `jit`/a loop body/`jax.checkpoint`, where differentiation, if
+    any, comes later and cannot be seen).
+
+    Raises:
+      ValueError: `argnums` was given and the caller differentiates other arguments: the
+        backward pass that would run keeps other residuals than the one verified.
+    """
+    seen = tuple(
+        i
+        for i, a in enumerate(args)
+        if any(_compat.is_differentiated(x) for x in jax.tree_util.tree_leaves(a))
+    )
+    if argnums is None:
+        return seen or 0
+    if seen and set(seen) != set(normalize_argnums(argnums, len(args))):
+        name = getattr(fn, "__name__", "fn")
+        raise ValueError(
+            f"{name} was given argnums={argnums!r}, but the caller differentiates it with "
+            f"respect to argument(s) {seen} (the jax.grad/jax.vjp/jax.value_and_grad around "
+            "it): that backward pass keeps other residuals than the one jremat would plan and "
+            f"verify. Pass argnums={seen if len(seen) > 1 else seen[0]!r} to jremat.auto, or "
+            "leave argnums out to plan for the arguments the caller differentiates."
+        )
+    return argnums
 
 
 def _static_positions(fn: Any, args: Sequence[Any], argnums: Any) -> tuple[int, ...]:

@@ -11,8 +11,8 @@ import hashlib
 import json
 import logging
 import os
+import secrets
 import sys
-import tempfile
 import threading
 import warnings
 from collections.abc import Callable, Sequence
@@ -261,7 +261,11 @@ class PlanCache:
             return
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(prefix=".jremat-", suffix=".json", dir=path.parent)
+            # a new file of mode 0o666 under the umask (0o644 with the usual 0o022), readable
+            # as JAX's compilation cache is (tempfile.mkstemp would make it 0o600); a unique
+            # name per writer, so concurrent runs never write the same temporary file
+            tmp = path.parent / f".{path.stem}.{os.getpid()}.{secrets.token_hex(6)}.tmp"
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
             try:
                 with os.fdopen(fd, "w", encoding="utf-8") as f:
                     f.write(p.to_json())

@@ -40,7 +40,7 @@ class AutoOptions:
 
     budget: Any = 0.5
     solver: str | None = None
-    argnums: int | Sequence[int] = 0
+    argnums: int | Sequence[int] | None = None
     verify: bool = True
     prevent_cse: bool = True
     max_rounds: int = 4

@@ -454,6 +454,7 @@ def compare(
     builtins: Sequence[str] | None = None,
     description: str = "",
     progress: bool | None = None,
+    has_aux: bool = False,
 ) -> Comparison:
     """Compile `fn`'s training step under each remat policy and compare memory and FLOPs.
 
@@ -462,7 +463,8 @@ def compare(
     once; its gradients are compared with the unrematerialized ones.
 
     Args:
-      fn: returns a scalar float loss; `args` are concrete arrays or pytrees (rows execute).
+      fn: returns a scalar float loss (with `has_aux`, a pair `(loss, aux)`); `args` are
+        concrete arrays or pytrees (rows execute).
       policies: what to compare besides "no remat" and the planners. None: the default set,
         JAX's built-in policies per layer (`builtins`) and sqrt(n) segments (Chen et al.
         2016, "Training Deep Nets with Sublinear Memory Cost"). Otherwise a sequence whose
@@ -485,6 +487,8 @@ def compare(
         default): on a terminal, or as a widget in Jupyter with ipywidgets. Each row's
         start and result are also logged at INFO level to the "jremat" logger (quiet unless
         configured, e.g. `jremat.log_to_stderr()`).
+      has_aux: `fn` returns `(loss, aux)`, aux any pytree of arrays: every row compiles
+        `jit(value_and_grad(fn, has_aux=True))`, which computes both (as `jremat.plan`).
 
     Returns:
       A `Comparison`. A budget below what any plan reaches gives a row with status
@@ -494,7 +498,8 @@ def compare(
     Raises:
       ValueError: an unknown policy, preset or solver name (the message lists the accepted
         ones), a malformed budget, or `runs` < 0.
-      TypeError: `fn` does not return a scalar float, or `argnums` selects no float input.
+      TypeError: `fn` does not return a scalar float (with `has_aux`, a pair whose first
+        element is one), `argnums` selects no float input, or `has_aux` is not a bool.
 
     Example:
       >>> import jax.numpy as jnp, jremat
@@ -517,7 +522,7 @@ def compare(
     t_start = time.perf_counter()
     what = description or getattr(fn, "__name__", "the function")
     logger.info("compare %s: tracing", what)
-    prog = Program(fn, args, argnums)
+    prog = Program(fn, args, argnums, has_aux=has_aux)
     for job in jobs:
         if job.recipe is not None:
             job.plan = recipe_plan(prog.graph, *job.recipe)

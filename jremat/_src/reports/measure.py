@@ -14,19 +14,26 @@ from typing import Any
 import jax
 
 from jremat._src.base import sharding
-from jremat._src.base.args import check_differentiable, check_scalar_output, normalize_argnums
+from jremat._src.base.args import (
+    check_differentiable,
+    check_flag,
+    check_scalar_output,
+    normalize_argnums,
+)
 from jremat._src.compile.xla import MemoryFigures, compile_step, mesh_size, step_flops
 
 
 @dataclasses.dataclass(frozen=True)
 class Measurement:
-    """What XLA compiled for one training step `jit(value_and_grad(fn, argnums))`.
+    """What XLA compiled for one training step `jit(value_and_grad(fn, argnums, has_aux))`.
 
     Attributes:
       temp_bytes: XLA's packed peak of live temporaries (activations, residuals, gradients in
         flight), in bytes: `memory_analysis().temp_size_in_bytes`.
       footprint_bytes: argument + output - alias + temp bytes: the device memory of the step.
-      flops: `cost_analysis()["flops"]`, with every scan body multiplied by its trip count.
+      flops: `cost_analysis()["flops"]` plus its `"transcendentals"` (`exp`, `tanh` ... count
+        1 per element, as in jremat's FLOP table), with every scan body multiplied by its trip
+        count.
       compile_seconds: wall seconds to lower and compile.
       step_seconds: median wall seconds of one executed step over `runs`, or None.
       argument_bytes, output_bytes, alias_bytes: the other terms of the footprint.
@@ -51,6 +58,7 @@ def measure(
     runs: int = 0,
     in_shardings: Any = None,
     mesh: Any = None,
+    has_aux: bool = False,
 ) -> Measurement:
     """Compile one training step of `fn` and report XLA's memory and FLOPs.
 
@@ -59,7 +67,8 @@ def measure(
     per device (XLA's `memory_analysis()` of the SPMD program).
 
     Args:
-      fn: returns a scalar floating-point loss; positional array/pytree arguments.
+      fn: returns a scalar floating-point loss (with `has_aux`, a pair `(loss, aux)`);
+        positional array/pytree arguments.
       *args: arguments (arrays, or `jax.ShapeDtypeStruct` when `runs == 0`).
       argnums: arguments to differentiate (int or tuple of ints), as in `jax.grad`.
       runs: when > 0, execute the compiled step `runs` times (after one warm-up) and report
@@ -70,13 +79,16 @@ def measure(
         as in `jremat.plan`: a `jax.sharding.Mesh` (or `AbstractMesh`) or None. It shards
         nothing by itself; given while no `PartitionSpec` refers to it and no argument is
         sharded, the step is measured unsharded and a `RuntimeWarning` says so.
+      has_aux: `fn` returns `(loss, aux)`, aux any pytree of arrays: the step measured is
+        `jit(value_and_grad(fn, has_aux=True))`, which computes both (as `jremat.plan`).
 
     Returns:
       A `Measurement`. Figures other than seconds are deterministic for a given program.
 
     Raises:
-      TypeError: `fn` does not return a scalar float, or an argument at `argnums` has no
-        floating-point leaves; `mesh` or `in_shardings` of a type not accepted.
+      TypeError: `fn` does not return a scalar float (with `has_aux`, a pair whose first
+        element is one), or an argument at `argnums` has no floating-point leaves; `mesh`
+        or `in_shardings` of a type not accepted; `has_aux` not a bool.
       ValueError: `argnums` out of range or `runs` negative; `in_shardings` not matching the
         arguments, naming an axis its mesh lacks, or naming a mesh larger than the devices
         (docs/design.md#sharding).
@@ -84,14 +96,15 @@ def measure(
     nums = normalize_argnums(argnums, len(args))
     if not isinstance(runs, int) or isinstance(runs, bool) or runs < 0:
         raise ValueError(f"runs must be a non-negative int, got {runs!r}")
+    check_flag("has_aux", has_aux)
     check_differentiable(args, nums)
     avals = sharding.shard_args(args, in_shardings, mesh)
-    check_scalar_output(fn, avals)
+    check_scalar_output(fn, avals, has_aux)
     t0 = time.perf_counter()
-    compiled = compile_step(fn, avals, nums)
+    compiled = compile_step(fn, avals, nums, has_aux)
     compile_seconds = time.perf_counter() - t0
     mem = MemoryFigures.of(compiled)
-    flops = step_flops(compiled, fn, avals, nums)
+    flops = step_flops(compiled, fn, avals, nums, has_aux=has_aux)
     step = None
     if runs:
         if in_shardings is not None:  # place the arrays as the step was compiled for

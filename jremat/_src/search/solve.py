@@ -191,6 +191,9 @@ def solve(
             return c.flops
         return math.inf if offload is None else c.flops + offload.transfer_flops(p.offloaded_bytes)
 
+    if not prog.graph.num_nodes:  # `lambda x: x`, a jit returning an input: nothing to remat
+        if (error := spec.nothing_to_rematerialize("fn traces to no equations")) is not None:
+            raise error
     t0 = time.perf_counter()
     planner = None
     try:

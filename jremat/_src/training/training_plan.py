@@ -19,7 +19,7 @@ import jax
 import optax
 
 from jremat._src.base import compat as _compat
-from jremat._src.base.args import abstract_args
+from jremat._src.base.args import abstract_args, check_flag, check_scalar_output
 from jremat._src.base.budget import parse_budget
 from jremat._src.base.errors import InfeasibleBudgetError
 from jremat._src.compile import xla
@@ -48,8 +48,8 @@ class TrainingPlan:
       compiled_footprint_bytes: compiled footprint of the chosen train step in bytes
         (argument + output - alias + temp, from `compiled.memory_analysis()`).
         `predicted_footprint_bytes` is a deprecated alias (it is no prediction).
-      flops: compiled FLOPs of the chosen train step (`cost_analysis()["flops"]`, loop
-        bodies counted once per trip).
+      flops: compiled FLOPs of the chosen train step (`cost_analysis()` flops plus
+        transcendentals, loop bodies counted once per trip).
       alternatives: one dict per configuration considered, in the order compiled:
         `{"k": int, "remat_budget": float | None, "footprint_bytes": int | None,
         "temp_bytes": int | None, "flops": float | None, "fits": bool}` (plus `"error"`,
@@ -57,7 +57,8 @@ class TrainingPlan:
       value_and_grad: `(params, batch) -> (loss, grads)` to call inside the jitted train
         step: the full-batch mean loss (scalar, dtype of `loss_fn`'s output) and gradients
         (structure and dtypes of `params`), computed over `num_microbatches` microbatches
-        with the rematerialized loss.
+        with the rematerialized loss; `((loss, aux), grads)` with `has_aux` (aux combined
+        over the microbatches by `aux_reduction`, as `jremat.microbatch`).
       budget_bytes: the byte budget the plan was made for.
     """
 
@@ -124,9 +125,17 @@ def _check_candidates(candidates: Iterable[int], size: int) -> list[int]:
     return sorted(set(ks))
 
 
-def _value_and_grad(loss_fn: Callable[..., Any], k: int, plan: Plan | None):
-    f = loss_fn if plan is None else rematerialize(loss_fn, plan)
-    return jax.value_and_grad(f) if k == 1 else microbatch(f, k)
+def _value_and_grad(
+    loss_fn: Callable[..., Any],
+    k: int,
+    plan: Plan | None,
+    has_aux: bool = False,
+    aux_reduction: Any = "mean",
+):
+    f = loss_fn if plan is None else rematerialize(loss_fn, plan, has_aux=has_aux)
+    if k == 1:
+        return jax.value_and_grad(f, has_aux=has_aux)
+    return microbatch(f, k, has_aux=has_aux, aux_reduction=aux_reduction)
 
 
 def _step(vg: Callable[..., Any], optimizer: Any):
@@ -162,6 +171,8 @@ def plan_training(
     optimizer: Any = None,
     candidates: Iterable[int] | None = None,
     remat_budgets: Sequence[float] = DEFAULT_REMAT_BUDGETS,
+    has_aux: bool = False,
+    aux_reduction: Any = "mean",
 ) -> TrainingPlan:
     """Choose microbatches and rematerialization so the compiled train step fits `budget`.
 
@@ -177,6 +188,7 @@ def plan_training(
     The train step compiled is `jax.jit` of:
 
         loss, grads = value_and_grad(params, batch)              # microbatched, remat'd
+                                                  # (loss is (loss, aux) with has_aux)
         updates, opt_state = optimizer.update(grads, opt_state, params)
         params = optax.apply_updates(params, updates)            # -> (params, opt_state, loss)
 
@@ -200,6 +212,11 @@ def plan_training(
         powers of two dividing `B` (1, 2, 4, ...).
       remat_budgets: fractions in (0, 1] of one microbatch's unrematerialized temp bytes to
         try for rematerialization, in order; default (0.5, 0.25). Empty: no remat.
+      has_aux: `loss_fn` returns `(loss, aux)`, aux any pytree of arrays (metrics, updated
+        batch statistics): every step compiled computes both, as
+        `jax.value_and_grad(..., has_aux=True)` does, and remat is planned for that step.
+      aux_reduction: with `has_aux` and several microbatches, how their aux are combined:
+        as `jremat.microbatch`'s `aux_reduction` (default "mean", float leaves only).
 
     Returns:
       A `TrainingPlan`.
@@ -212,8 +229,9 @@ def plan_training(
       InfeasibleBudgetError: no configuration fits; the message and its
         `smallest_reachable` give the smallest footprint found (bytes), and
         `smallest_reachable_bytes` that configuration's temp bytes.
-      TypeError: `loss_fn` does not return a scalar float; `optimizer` has no
-        `init`/`update`.
+      TypeError: `loss_fn` does not return a scalar float (with `has_aux`, a pair whose first
+        element is one; a pair without `has_aux` names it); `optimizer` has no
+        `init`/`update`; `has_aux` not a bool.
     """
     spec = parse_budget(budget)
     if spec.fraction is not None:
@@ -235,8 +253,10 @@ def plan_training(
     for f in remat_budgets:
         if isinstance(f, bool) or not isinstance(f, float) or not 0 < f <= 1:
             raise ValueError(f"remat_budgets must be floats in (0, 1]; got {f!r}.")
+    check_flag("has_aux", has_aux)
     params_a, batch_a = abstract_args((params, batch))
     size = leading_batch_size(batch_a, 1)
+    check_scalar_output(loss_fn, (params_a, batch_a), has_aux)
     ks = _default_candidates(size) if candidates is None else _check_candidates(candidates, size)
     if optimizer is None:
         step_args: tuple[Any, ...] = (params_a, batch_a)
@@ -252,7 +272,8 @@ def plan_training(
     def consider(k: int, rb: float | None, p: Plan | None) -> bool:
         what = f"{k} microbatch{'es' * (k != 1)}, " + ("no remat" if rb is None else f"remat {rb}")
         logger.info("plan_training: compiling the train step with %s", what)
-        fp, temp, flops = _measure(_value_and_grad(loss_fn, k, p), optimizer, step_args)
+        vg = _value_and_grad(loss_fn, k, p, has_aux, aux_reduction)
+        fp, temp, flops = _measure(vg, optimizer, step_args)
         ok = fp <= limit
         logger.info(
             "plan_training: %s: footprint %.2f MiB, %s the budget %.2f MiB (%.0f s so far)",
@@ -275,7 +296,7 @@ def plan_training(
         micro = jax.tree.map(
             lambda x, k=k: jax.ShapeDtypeStruct((x.shape[0] // k, *x.shape[1:]), x.dtype), batch_a
         )
-        prog = Program(loss_fn, (params_a, micro), 0)
+        prog = Program(loss_fn, (params_a, micro), 0, has_aux=has_aux)
         seen: set[str] = set()
         for rb in remat_budgets:
             logger.info(
@@ -324,6 +345,6 @@ def plan_training(
         compiled_footprint_bytes=fp,
         flops=flops,
         alternatives=alternatives,
-        value_and_grad=_value_and_grad(loss_fn, k, p),
+        value_and_grad=_value_and_grad(loss_fn, k, p, has_aux, aux_reduction),
         budget_bytes=limit,
     )
