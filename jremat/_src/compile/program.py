@@ -148,7 +148,9 @@ class Program:
         # JAX's mesh context is per thread: a program that may depend on one is compiled in
         # the caller's thread only
         ambient = jax.sharding.get_abstract_mesh()
-        self._threads_ok = (
+        #: whether plans may compile in helper threads: no mesh in context, no sharded or
+        #: `shard_map` arguments (their figures are then a device's too)
+        self.threads_ok = (
             not self.manual_axes
             and arg_mesh(jax.tree_util.tree_leaves(self.args)) is None
             and (ambient is None or getattr(ambient, "empty", True))
@@ -192,7 +194,7 @@ class Program:
                 if self.program_key(p) not in self._steps:
                     firsts.setdefault(self.program_key(p), p)
         todo = list(firsts.values())
-        workers = min(len(todo), COMPILE_THREADS) if self._threads_ok else 1
+        workers = min(len(todo), COMPILE_THREADS) if self.threads_ok else 1
         if workers > 1:
             logger.info("compiling %d plans in %d threads", len(todo), workers)
             # each task in a copy of the caller's context: `jremat.disabled()` and other
@@ -244,9 +246,11 @@ class Program:
         already hold for both (a `shard_map` body), other objectives (a Flax block's kept
         bytes) and offloading plans (measured on a proxy) return `compile(plan)`'s temp.
         """
-        same = self.compile(plan).temp_bytes
         if self.manual_axes or type(self.objective) is not Objective or offloads(plan):
-            return same
+            return self.compile(plan).temp_bytes
+        return self._grad_temp(plan)
+
+    def _grad_temp(self, plan: Plan | None) -> int:
         key = self.program_key(plan)
         with self._lock:
             found = self._grad_temps.get(key)
@@ -257,6 +261,25 @@ class Program:
             with self._lock:
                 self._grad_temps[key] = found
         return found
+
+    def compile_with_grad(self, plan: Plan) -> Compiled:
+        """`compile(plan)`, with the `jit(grad)` step of `grad_step_temp(plan)` compiled at the
+        same time in a second thread (where plans compile in threads), so that a plan about to
+        be returned has both figures after one compile's wall time. Figures and memo as
+        `compile` then `grad_step_temp`."""
+        if (
+            not self.threads_ok
+            or COMPILE_THREADS < 2
+            or type(self.objective) is not Objective
+            or offloads(plan)
+        ):
+            return self.compile(plan)
+        context = contextvars.copy_context()
+        with concurrent.futures.ThreadPoolExecutor(1, "jremat-compile") as pool:
+            ahead = pool.submit(context.run, self._grad_temp, plan)
+            compiled = self.compile(plan)
+            ahead.result()
+        return compiled
 
     def compile_fn(self, f: Callable[..., Any], *, scan_flops: bool = True) -> tuple[Any, float]:
         """(executable, FLOPs) of `jit(value_and_grad(f))` at this program's arguments and

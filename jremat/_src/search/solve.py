@@ -197,9 +197,9 @@ def solve(
     t0 = time.perf_counter()
     planner = None
     try:
-        if verify and spec.fraction is not None and spec.fraction < 1:
-            # the target is below the unrematerialized program whatever its temp bytes: compile
-            # it together with the reference plans (parallel threads), not before them
+        if verify and _likely_below(prog, spec, lambda: prog.planner(solver, max_cuts, offload)):
+            # the target is below the unrematerialized program: compile it together with the
+            # reference plans (parallel threads), not before them
             planner = prog.planner(solver, max_cuts, offload)
             prog.anchors(planner, also=[None, *mixing.pure_plans(prog)])
         base = prog.baseline
@@ -292,7 +292,7 @@ def solve(
         candidate = planner.plan(model_budget)
         if candidate is not None and plan_key(candidate) not in seen:
             seen.add(plan_key(candidate))
-            c = prog.compile(candidate)
+            c = prog.compile_with_grad(candidate)  # a round's plan is often the one returned
             rounds.append((candidate, c))
             ok = c.temp_bytes <= target
             log.append(
@@ -372,6 +372,21 @@ def solve(
             f"{chosen.predicted_temp_bytes:,} bytes"
         )
     return _finish(chosen, meta, solver, prog.graph)
+
+
+def _likely_below(prog: Program, spec: Budget, planner: Callable[[], Any]) -> bool:
+    """Whether `spec` asks for less than the unrematerialized program: a fraction below 1, or
+    a byte budget below its footprint as the cost model estimates it (arguments, gradients
+    and the modelled peak; unsharded programs only, whose arguments' bytes are a device's).
+    Only decides what is compiled first: the compiled baseline decides the plan."""
+    if spec.fraction is not None:
+        return spec.fraction < 1
+    if not prog.threads_ok:
+        return False
+    leaves = jax.tree_util.tree_leaves(prog.args)
+    diff = jax.tree_util.tree_leaves([prog.args[i] for i in prog.nums])
+    fixed = sum(math.prod(x.shape) * np.dtype(x.dtype).itemsize for x in [*leaves, *diff])
+    return spec.footprint_bytes < fixed + planner().no_remat_peak()
 
 
 #: How many of the cheapest fitting plans are compiled as `jit(grad)` steps before giving up.
