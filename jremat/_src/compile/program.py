@@ -55,6 +55,10 @@ AUTO_MILP_NODES = 16
 #: overrides it (1: compile one after another).
 COMPILE_THREADS = max(1, int(os.environ.get("JREMAT_COMPILE_THREADS", 0)) or os.cpu_count() or 1)
 
+#: `Program.compile_with_grad` compiles a round's `jit(grad)` step ahead only with this many
+#: compile threads (CPUs) or more.
+SPECULATE_THREADS = 4
+
 
 @dataclasses.dataclass
 class Compiled:
@@ -266,10 +270,12 @@ class Program:
         """`compile(plan)`, with the `jit(grad)` step of `grad_step_temp(plan)` compiled at the
         same time in a second thread (where plans compile in threads), so that a plan about to
         be returned has both figures after one compile's wall time. Figures and memo as
-        `compile` then `grad_step_temp`."""
+        `compile` then `grad_step_temp`. Only with `SPECULATE_THREADS` compile threads or more:
+        a round that is not returned wastes its `jit(grad)` compile, which costs wall time
+        where no CPU is idle."""
         if (
             not self.threads_ok
-            or COMPILE_THREADS < 2
+            or COMPILE_THREADS < SPECULATE_THREADS
             or type(self.objective) is not Objective
             or offloads(plan)
         ):
@@ -317,21 +323,42 @@ class Program:
 
     def anchors(self, planner, also: Sequence[Plan | None] = ()) -> list[tuple[Plan, Compiled]]:
         """Compiled reference plans, first the planner's min-memory plan, then `ANCHOR_RECIPES`
-        (built-in policies per layer, sqrt(n) segments of Chen et al. 2016). Compiled once per
-        program, in parallel (`compile_many`) with the plans of `also` (not returned)."""
+        (built-in policies per layer, sqrt(n) segments of Chen et al. 2016), then the loop
+        rematerializations of `scan_configs` on the unchanged program and, where the
+        min-memory plan compiles below the unrematerialized program (rematerializing outside
+        the loops pays), on the min-memory plan too. Compiled once per program, in parallel
+        (`compile_many`) with the plans of `also` (not returned)."""
         akey = (planner.name, getattr(planner, "offload", None))
         if akey not in self._anchors:
-            plans = [planner.min_memory_plan(), *anchor_plans(self.graph)]
-            for scans in scan_configs(self.graph):
-                for base_plan in (Plan.identity(self.graph), planner.min_memory_plan()):
+            min_plan = planner.min_memory_plan()
+
+            def with_scans(base_plan: Plan) -> list[Plan]:
+                out = []
+                for scans in scan_configs(self.graph):
                     p = copy.deepcopy(base_plan)
                     p.scans, p.solver = scans, f"{base_plan.solver}+scan"
-                    plans.append(p)
-            unique = {plan_key(p): p for p in reversed(plans)}  # first occurrence wins
-            plans = [p for p in plans if unique.get(plan_key(p)) is p]
+                    out.append(p)
+                return out
+
+            plans = self._distinct([min_plan, *anchor_plans(self.graph)])
+            plans += self._distinct(with_scans(Plan.identity(self.graph)), plans)
             compiled = self.compile_many([*plans, *also])[: len(plans)]
+            if scan_configs(self.graph) and compiled[0].temp_bytes < self.baseline.temp_bytes:
+                more = self._distinct(with_scans(min_plan), plans)
+                plans, compiled = plans + more, compiled + self.compile_many(more)
             self._anchors[akey] = list(zip(plans, compiled, strict=True))
         return [(copy.deepcopy(p), c) for p, c in self._anchors[akey]]
+
+    @staticmethod
+    def _distinct(plans: list[Plan], taken: Sequence[Plan] = ()) -> list[Plan]:
+        """`plans` without repeats (by `plan_key`, first kept) and without those in `taken`."""
+        seen = {plan_key(p) for p in taken}
+        out = []
+        for p in plans:
+            if plan_key(p) not in seen:
+                seen.add(plan_key(p))
+                out.append(p)
+        return out
 
     def record(self, plan: Plan, c: Compiled) -> Plan:
         plan.measured_temp_bytes = c.temp_bytes

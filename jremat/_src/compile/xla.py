@@ -202,18 +202,40 @@ def _num_devices(executable: Any) -> int:
         return 1
 
 
+#: FLOPs of scan bodies by (backend, the body's jaxpr text), for the life of the process: the
+#: candidate plans of one program share most loop bodies (the forward loop, a layer recomputed
+#: under one policy), so each distinct body compiles once, not once per candidate.
+_BODY_FLOPS: dict[tuple[str, str], float] = {}
+_BODY_FLOPS_LOCK = threading.Lock()
+_BODY_FLOPS_MAX = 4096  # entries; cleared when full
+
+
 def _body_flops(body: Any, cache: dict[int, float]) -> float:
     key = id(body)
     if key not in cache:
-        try:
-            flops = _compiled_body_flops(body)
-        except Exception:  # noqa: BLE001 - e.g. a body with collectives over a shard_map's axes
-            # cannot compile on its own: count it with jremat's own FLOP table instead
-            flops = 0.0
-        # nothing counted (no compile, or a backend that reports no FLOPs for its ops): the
-        # table's count, so that recomputing the body is never free
-        cache[key] = flops or cost_model.jaxpr_flops(_compat.closed(body)[0])
+        cache[key] = _shared_body_flops(body)
     return cache[key]
+
+
+def _shared_body_flops(body: Any) -> float:
+    key = (jax.default_backend(), str(body))
+    with _BODY_FLOPS_LOCK:
+        found = _BODY_FLOPS.get(key)
+    if found is not None:
+        return found
+    try:
+        flops = _compiled_body_flops(body)
+    except Exception:  # noqa: BLE001 - e.g. a body with collectives over a shard_map's axes
+        # cannot compile on its own: count it with jremat's own FLOP table instead
+        flops = 0.0
+    # nothing counted (no compile, or a backend that reports no FLOPs for its ops): the
+    # table's count, so that recomputing the body is never free
+    flops = flops or cost_model.jaxpr_flops(_compat.closed(body)[0])
+    with _BODY_FLOPS_LOCK:
+        if len(_BODY_FLOPS) >= _BODY_FLOPS_MAX:
+            _BODY_FLOPS.clear()
+        _BODY_FLOPS[key] = flops
+    return flops
 
 
 def _compiled_body_flops(body: Any) -> float:
