@@ -3,6 +3,7 @@
     python benchmarks/plan_cost.py              # short default run (a few minutes)
     python benchmarks/plan_cost.py --full       # every zoo model and decoder depth
     python benchmarks/plan_cost.py --json F     # also write the rows as JSON lines to F
+    python benchmarks/plan_cost.py --depth      # trace + solve without compiles, by depth
 
 Per cell (a model at a budget) in a fresh process per model:
 
@@ -165,6 +166,51 @@ def _warm(name: str, budgets: list[float], plan_dir: str) -> list[dict]:
     return rows
 
 
+DEPTH_MODELS = tuple(f"{kind}:{n}" for kind in ("gpt2", "scan") for n in (6, 12, 24, 48))
+
+
+def _depth(name: str, budgets: list[float], plan_dir: str) -> list[dict]:
+    """Seconds to trace the program, build the cost model, and plan at each budget (of the
+    model's own unrematerialized peak) without compiling anything: what planning costs
+    besides XLA, by depth."""
+    from jremat._src.compile.program import Program
+
+    loss, params, batch = workload(name)
+    t0 = time.perf_counter()
+    prog = Program(loss, (params, batch), 0)
+    t1 = time.perf_counter()
+    planner = prog.planner("auto", 160)
+    t2 = time.perf_counter()
+    none = planner.no_remat_peak()
+    for b in budgets:
+        planner.plan(b * none)
+    t3 = time.perf_counter()
+    return [
+        {
+            "model": name,
+            "equations": prog.graph.num_nodes,
+            "solver": planner.name,
+            "trace_s": t1 - t0,
+            "model_s": t2 - t1,
+            "plan_s": (t3 - t2) / len(budgets),
+        }
+    ]
+
+
+def depth_table(rows: list[dict]) -> str:
+    lines = [
+        "| model | equations | solver | trace s | cost model s | plan s (per budget) | total s |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        total = r["trace_s"] + r["model_s"] + r["plan_s"]
+        lines.append(
+            f"| {r['model']} | {r['equations']} | {r['solver']} | {r['trace_s']:.2f} | "
+            f"{r['model_s']:.2f} | {r['plan_s']:.2f} | {total:.2f} |"
+        )
+    return "\n".join(lines)
+
+
 def _child(mode: str, name: str, budgets: list[float], plan_dir: str) -> list[dict]:
     out = subprocess.run(
         [sys.executable, __file__, "--child", mode, name, ",".join(map(str, budgets)), plan_dir],
@@ -208,7 +254,7 @@ def table(rows: list[dict]) -> str:
 def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] == "--child":
         mode, name, budgets, plan_dir = sys.argv[2:6]
-        fn = _cell if mode == "cold" else _warm
+        fn = {"cold": _cell, "warm": _warm, "depth": _depth}[mode]
         for row in fn(name, [float(b) for b in budgets.split(",")], plan_dir):
             print(json.dumps(row))
         return
@@ -218,7 +264,17 @@ def main() -> None:
     ap.add_argument("--budgets", default=",".join(map(str, BUDGETS)))
     ap.add_argument("--json", help="also write the rows as JSON lines to this file")
     ap.add_argument("--no-warm", action="store_true", help="skip the warm plan cache runs")
+    ap.add_argument("--depth", action="store_true", help="trace + solve without compiles, by depth")
     a = ap.parse_args()
+    if a.depth:
+        budgets = [float(b) for b in a.budgets.split(",")]
+        rows = [
+            r
+            for name in (a.models.split(",") if a.models else DEPTH_MODELS)
+            for r in _child("depth", name, budgets, "")
+        ]
+        print(depth_table(rows))
+        return
     models = a.models.split(",") if a.models else (FULL_MODELS if a.full else DEFAULT_MODELS)
     budgets = [float(b) for b in a.budgets.split(",")]
     rows: list[dict] = []
