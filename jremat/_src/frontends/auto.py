@@ -25,7 +25,12 @@ from jremat._src.frontends.blocks import is_disabled
 from jremat._src.frontends.cache import PlanCache
 from jremat._src.frontends.options import AutoOptions
 from jremat._src.plan.plan import Plan
-from jremat._src.plan.rewrite import check_replayable, rematerialize, run_graph
+from jremat._src.plan.rewrite import (
+    check_replayable,
+    graph_function,
+    holds_tracers,
+    rematerialize,
+)
 from jremat._src.trace.graph import Graph, build_graph, signature
 
 
@@ -423,16 +428,11 @@ def _runner(
         plan.is_identity
         or options.in_shardings is not None
         or options.mesh is not None
-        or any(_compat.is_tracer(c) for c in graph.consts.values())
+        or holds_tracers(graph)
     ):
         return rematerialize(fn, plan, prevent_cse=prevent_cse)
     plan.validate()
-
-    def run(*args: Any) -> Any:
-        outs = run_graph(graph, plan, jax.tree_util.tree_leaves(args), prevent_cse=prevent_cse)
-        return jax.tree_util.tree_unflatten(graph.out_tree, outs)
-
-    return run
+    return graph_function(graph, plan, prevent_cse=prevent_cse)
 
 
 def _is_method(fn: Callable[..., Any]) -> bool:

@@ -476,10 +476,11 @@ def rematerialize(
     return rematerialized
 
 
-def graph_function(graph: Graph, plan: Plan) -> Callable[..., Any]:
+def graph_function(graph: Graph, plan: Plan, *, prevent_cse: bool = True) -> Callable[..., Any]:
     """The function `rematerialize(fn, plan)` returns, for calls at the one signature `graph`
     (`build_graph(fn, ...)`) was traced at, without tracing `fn` again: it evaluates `graph`'s
-    equations under `plan` (a candidate compile then traces the user's code once, not twice).
+    equations under `plan` (a candidate compile then traces the user's code once, not twice;
+    `jremat.auto` runs its plans so). `prevent_cse` as in `rematerialize`.
 
     Raises:
       ValueError: `graph` holds tracers of another trace (its constants were captured inside
@@ -489,7 +490,7 @@ def graph_function(graph: Graph, plan: Plan) -> Callable[..., Any]:
         raise ValueError("graph_function: the graph holds tracers; use rematerialize(fn, plan)")
 
     def rematerialized(*args: Any) -> Any:
-        outs = run_graph(graph, plan, jax.tree_util.tree_leaves(args))
+        outs = run_graph(graph, plan, jax.tree_util.tree_leaves(args), prevent_cse=prevent_cse)
         return jax.tree_util.tree_unflatten(graph.out_tree, outs)
 
     return rematerialized

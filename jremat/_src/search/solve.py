@@ -194,6 +194,14 @@ def solve(
     if not prog.graph.num_nodes:  # `lambda x: x`, a jit returning an input: nothing to remat
         if (error := spec.nothing_to_rematerialize("fn traces to no equations")) is not None:
             raise error
+
+    def predicted_score(p: Plan) -> float:
+        """`score` as the cost model predicts it: the baseline's compiled FLOPs plus the
+        plan's modelled recompute (a lower bound in practice: the model counts fewer
+        FLOPs than XLA does for the same recompute)."""
+        extra = 0.0 if offload is None else offload.transfer_flops(p.offloaded_bytes)
+        return base.flops + (p.recompute_flops or 0.0) + extra
+
     t0 = time.perf_counter()
     planner = None
     try:
@@ -290,6 +298,15 @@ def solve(
         )
     for round_ in range(max_rounds if fitting else min(max_rounds, 2)):
         candidate = planner.plan(model_budget)
+        if candidate is not None and predicted_score(candidate) >= best[0]:
+            # the model counts this plan's recompute no lower than a fitting plan's compiled
+            # figure (it undercounts XLA's, docs/design.md#verification): a closer plan
+            # would only recompute more
+            log.append(
+                f"round {round_}: the model's plan recomputes {candidate.recompute_flops:,.0f} "
+                "FLOPs, no fewer than the best fitting plan compiled: rounds end"
+            )
+            break
         if candidate is not None and plan_key(candidate) not in seen:
             seen.add(plan_key(candidate))
             c = prog.compile_with_grad(candidate)  # a round's plan is often the one returned
