@@ -136,8 +136,8 @@ def auto(
         TypeError naming `has_aux`). Flax targets return any outputs already and refuse it.
 
     Returns:
-      For a function, the wrapped function: `wrapper.plans` maps signatures to their `Plan`
-      (plain loss functions) and `wrapper.plan_cache` is its `PlanCache`. For a Module class,
+      For a function, the wrapped function: `wrapper.plans` maps each key (signature,
+      static arguments, differentiated argnums) to its `Plan` (plain loss functions) and `wrapper.plan_cache` is its `PlanCache`. For a Module class,
       a subclass of the same name with `plan_cache` as a class attribute.
 
     Raises:
