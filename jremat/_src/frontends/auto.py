@@ -138,7 +138,8 @@ def auto(
     Returns:
       For a function, the wrapped function: `wrapper.plans` maps each key (signature,
       static arguments, differentiated argnums) to its `Plan` (plain loss functions) and
-      `wrapper.plan_cache` is its `PlanCache`. For a Module class, a subclass of the same name with `plan_cache` as a class attribute.
+      `wrapper.plan_cache` is its `PlanCache`. For a Module class, a subclass of the same
+      name with `plan_cache` as a class attribute.
 
     Raises:
       TypeError: the target is neither a function nor a Flax Module class (a Module instance,
