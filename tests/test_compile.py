@@ -191,3 +191,30 @@ def test_a_plan_call_compiles_a_fixed_count_whatever_was_planned_before(compiles
         fresh.measured_temp_bytes,
         fresh.measured_flops,
     )
+
+
+def test_twin_dots_recipes_share_a_compile_only_where_they_save_the_same():
+    """`dots_saveable` also saves convolutions, `dots_with_no_batch_dims_saveable` does not:
+    on a conv net without matmuls the two recipes are different programs, each compiled and
+    measured on its own (not one's figures reported for the other)."""
+    from jremat._src.plan.recipes import recipe_plan
+
+    def conv_loss(ws, x):
+        for w in ws:
+            x = jnp.tanh(
+                jax.lax.conv_general_dilated(
+                    x, w, (1, 1), "SAME", dimension_numbers=("NHWC", "HWIO", "NHWC")
+                )
+            )
+        return jnp.sum(x * x)
+
+    ws = [jnp.full((3, 3, 4, 4), 0.05)] * 3
+    args = (ws, jnp.ones((1, 8, 8, 4)))
+    prog = Program(conv_loss, args, 0)
+    dots = prog.compile(recipe_plan(prog.graph, "dots_saveable"))
+    plan = recipe_plan(prog.graph, "dots_with_no_batch_dims_saveable")
+    shared = prog.compile(plan)
+    alone = Program(conv_loss, args, 0).compile(plan)
+    assert prog.compiles == 2
+    assert (shared.temp_bytes, shared.flops) == (alone.temp_bytes, alone.flops)
+    assert shared.flops > dots.flops  # it recomputes the convolutions dots_saveable keeps

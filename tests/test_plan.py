@@ -142,6 +142,19 @@ def test_footprint_budget_holds(cache):
     assert p.budget == cap
 
 
+def test_byte_budget_with_a_prng_key_argument():
+    """A byte budget with a typed PRNG key among the arguments (an extended dtype numpy
+    cannot size) is planned, not a TypeError from sizing the arguments (one compile: the
+    budget is above the program)."""
+
+    def loss(w, key):
+        return jnp.sum(jnp.tanh(jax.random.normal(key, (8, 4)) @ w) ** 2)
+
+    p = jremat.plan(loss, jnp.ones((4, 4)), jax.random.key(0), budget=10**9, solver=SOLVER)
+    assert p.is_identity and p.budget == 10**9
+    assert 0 < p.measured_temp_bytes < 10**9
+
+
 @pytest.mark.parametrize("budget", [1.0, 10**15, "8GB", "auto"])
 def test_budget_at_or_above_unrematerialized_is_identity(cache, budget):
     m = cache.model("mlp_chain")

@@ -238,3 +238,17 @@ def test_argnums_given_and_the_caller_differentiating_others_raises(chain):
     with pytest.raises(ValueError, match=r"argnums=\(0, 1\)"):
         jax.eval_shape(jax.grad(f, argnums=(0, 1)), params, x)
     assert f.plans == {}
+
+
+def test_given_argnums_with_an_argument_of_a_jit_inside_the_callers_grad(chain):
+    """`grad(lambda w: jit(lambda x: f(w, x))(x * w.sum()))`: the input is a value of the inner
+    jit's trace, differentiated through it by the grad outside, which cannot be seen at the
+    call; the argnums=(0, 1) given is what runs, so it is planned, not refused."""
+    loss, (params, x) = chain
+    f = jremat.auto(loss, budget=1.0, argnums=(0, 1), verify=False)
+
+    def outer(loss_fn):
+        return lambda p: jax.jit(lambda x2: loss_fn(p, x2))(x * jax.tree.leaves(p)[0].sum())
+
+    chex.assert_trees_all_close(jax.grad(outer(f))(params), jax.grad(outer(loss))(params))
+    assert [k[-1] for k in f.plans] == [(0, 1)]

@@ -94,6 +94,20 @@ def test_fraction_budget_is_rejected(mlp):
         jremat.plan_training(loss, params, batch, budget=0.5)
 
 
+def test_bad_aux_reduction_is_rejected_before_any_compile(mlp):
+    """Also where one microbatch fits (where the reduction is never used)."""
+    loss, params, batch = mlp
+    with pytest.raises(ValueError, match="aux_reduction must be one of"):
+        jremat.plan_training(
+            lambda p, b: (loss(p, b), {}),
+            params,
+            batch,
+            budget=10**12,
+            has_aux=True,
+            aux_reduction="meen",
+        )
+
+
 def test_bad_candidate_is_rejected(mlp):
     loss, params, batch = mlp
     with pytest.raises(ValueError, match="divid"):

@@ -17,7 +17,7 @@ from jremat._src.base import compat as _compat
 from jremat._src.compile.program import Compiled, Objective, Program
 from jremat._src.compile.xla import MemoryFigures
 from jremat._src.plan.plan import KEEP, SAVE_NAMES, Plan, Segment
-from jremat._src.plan.recipes import has_batched_dot
+from jremat._src.plan.recipes import dots_policies_differ
 from jremat._src.plan.rewrite import run_graph
 from jremat._src.trace.graph import Graph
 
@@ -181,13 +181,13 @@ class BlockProgram(Program):
 
     def anchors(self, planner, also: Sequence[Plan | None] = ()) -> list[tuple[Plan, Compiled]]:
         """The planner's min-memory plan, then the whole block under one checkpoint with each
-        policy of `BLOCK_ANCHORS` (`dots_with_no_batch_dims_saveable` only when some matmul
-        has batch dimensions, otherwise it equals `dots_saveable`; per-layer recipes inside a
+        policy of `BLOCK_ANCHORS` (`dots_with_no_batch_dims_saveable` only where it saves other
+        values than `dots_saveable`: a batched matmul, a convolution; per-layer recipes inside a
         block keep more than the whole block and recompute as much, so they are not compiled).
         Compiled in parallel with the plans of `also` (not returned)."""
         if planner.name not in self._anchors:
             policies = list(BLOCK_ANCHORS)
-            if not has_batched_dot(self.block):  # then it saves what dots_saveable saves
+            if not dots_policies_differ(self.block):  # then it saves what dots_saveable saves
                 policies.remove("dots_with_no_batch_dims_saveable")
             plans = [planner.min_memory_plan()] + [
                 whole_block_plan(self.graph, self.block.num_nodes, pol) for pol in policies

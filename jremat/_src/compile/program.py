@@ -32,7 +32,12 @@ from jremat._src.compile.xla import MemoryFigures, compile_figures, compile_step
 from jremat._src.plan.offload import OffloadCost, host_offload_effective, offload_proxy, offloads
 from jremat._src.plan.plan import Plan, plan_key
 from jremat._src.plan.planners import PLANNERS
-from jremat._src.plan.recipes import anchor_plans, has_batched_dot, same_program_key, scan_configs
+from jremat._src.plan.recipes import (
+    anchor_plans,
+    dots_policies_differ,
+    same_program_key,
+    scan_configs,
+)
 from jremat._src.plan.rewrite import graph_function, holds_tracers, rematerialize
 from jremat._src.trace.graph import Graph, build_graph
 from jremat._src.trace.layers import has_scan
@@ -164,7 +169,7 @@ class Program:
         """The memo key of `plan`'s compiled step: equal for plans that compile to the same
         program (`recipes.same_program_key`)."""
         if self._batched_dots is None:
-            self._batched_dots = has_batched_dot(self.graph)
+            self._batched_dots = dots_policies_differ(self.graph)
         return same_program_key(plan, self._batched_dots)
 
     @property

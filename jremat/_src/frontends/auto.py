@@ -88,7 +88,8 @@ def auto(
         `jax.value_and_grad` around the call trace), planned per such set; 0 where nothing
         around the call differentiates it (an eager call; `jax.grad(jax.jit(step))`, where
         `jit` traces the call before `grad` differentiates it).
-        Given, it must match what the caller differentiates (else a ValueError at the call).
+        Given, it must match what the caller differentiates (else a ValueError at the call;
+        arguments holding values of a jit/loop trace inside the caller's grad may be added).
         Flax blocks differentiate all their float variables and inputs.
       verify: compile and check each plan against the budget (default True). With False,
         nothing is compiled for a Flax block: below budget 1 it gets the one checkpoint that
@@ -140,9 +141,10 @@ def auto(
         TypeError naming `has_aux`). Flax targets return any outputs already and refuse it.
 
     Returns:
-      For a function, the wrapped function: `wrapper.plans` maps signatures to their `Plan`
-      (plain loss functions) and `wrapper.plan_cache` is its `PlanCache`. For a Module class,
-      a subclass of the same name with `plan_cache` as a class attribute.
+      For a function, the wrapped function: `wrapper.plans` maps each key (signature,
+      static arguments, differentiated argnums) to its `Plan` (plain loss functions) and
+      `wrapper.plan_cache` is its `PlanCache`. For a Module class, a subclass of the same
+      name with `plan_cache` as a class attribute.
 
     Raises:
       TypeError: the target is neither a function nor a Flax Module class (a Module instance,
@@ -343,7 +345,9 @@ def _planned_argnums(fn: Any, args: Sequence[Any], argnums: Any) -> Any:
 
     Raises:
       ValueError: `argnums` was given and the caller differentiates other arguments: the
-        backward pass that would run keeps other residuals than the one verified.
+        backward pass that would run keeps other residuals than the one verified. A given
+        argument holding values of a jit/loop trace is not one of those: its
+        differentiation, if any, cannot be seen.
     """
     seen = tuple(
         i
@@ -352,7 +356,18 @@ def _planned_argnums(fn: Any, args: Sequence[Any], argnums: Any) -> Any:
     )
     if argnums is None:
         return seen or 0
-    if seen and set(seen) != set(normalize_argnums(argnums, len(args))):
+    given = set(normalize_argnums(argnums, len(args)))
+    # a given argument not seen differentiated may still be: a value of a jit/loop trace
+    # opened inside the caller's grad (`grad(lambda w: jit(lambda x: f(w, x))(g(w)))`)
+    hidden = {
+        i
+        for i in given - set(seen)
+        if any(
+            _compat.is_jaxpr_traced(x) and _compat.is_float_dtype(getattr(x, "dtype", None))
+            for x in jax.tree_util.tree_leaves(args[i])
+        )
+    }
+    if seen and set(seen) != given - hidden:
         name = getattr(fn, "__name__", "fn")
         raise ValueError(
             f"{name} was given argnums={argnums!r}, but the caller differentiates it with "

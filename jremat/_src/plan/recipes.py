@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import math
 
+import jax
+
 from jremat._src.base import compat as _compat
 from jremat._src.plan.plan import Plan, ScanSetting, plan_key
 from jremat._src.trace.graph import Graph
@@ -28,30 +30,39 @@ ANCHOR_RECIPES = (
 UNNAMED_EXTRA_RECIPES = (("nothing_saveable", "chunks"), ("nothing_saveable", "chunks_sqrt_n"))
 
 
-#: Saves what `dots_saveable` saves when no `dot_general` has batch dimensions.
+#: Saves what `dots_saveable` saves where no equation is saved by one and not the other
+#: (`dots_policies_differ`).
 NO_BATCH_DOTS = "dots_with_no_batch_dims_saveable"
 
 
-def has_batched_dot(graph: Graph) -> bool:
-    """Whether some `dot_general` of `graph`, nested jaxprs included (scan bodies, calls), has
-    batch dimensions (attention does)."""
+def dots_policies_differ(graph: Graph) -> bool:
+    """Whether `dots_with_no_batch_dims_saveable` and `dots_saveable` may save different values
+    of `graph`: some equation, nested jaxprs included (scan bodies, calls), that one of JAX's
+    two policies saves and the other does not: a `dot_general` with batch dimensions
+    (attention), a convolution (only `dots_saveable` saves those). Asks the policies
+    themselves, so whatever primitive a JAX version treats apart counts."""
+    ours = jax.checkpoint_policies.dots_with_no_batch_dims_saveable
+    theirs = jax.checkpoint_policies.dots_saveable
 
-    def batched(eqns) -> bool:
+    def differ(eqns) -> bool:
         for eqn in eqns:
-            if eqn.primitive.name == "dot_general" and eqn.params["dimension_numbers"][1][0]:
+            avals = [v.aval for v in eqn.invars]
+            if ours(eqn.primitive, *avals, **eqn.params) != theirs(
+                eqn.primitive, *avals, **eqn.params
+            ):
                 return True
-            if any(batched(sub.eqns) for sub in _compat.subjaxprs(eqn)):
+            if any(differ(sub.eqns) for sub in _compat.subjaxprs(eqn)):
                 return True
         return False
 
-    return batched([n.eqn for n in graph.nodes])
+    return differ([n.eqn for n in graph.nodes])
 
 
-def same_program_key(plan: Plan | None, batched_dots: bool) -> str:
-    """`plan_key(plan)`, equal for plans that compile to the same program: without a batched
-    `dot_general` (`has_batched_dot` False), `NO_BATCH_DOTS` saves what `dots_saveable`
-    saves, so segments and scans under either count as the same."""
-    if plan is None or batched_dots or NO_BATCH_DOTS not in plan_key(plan):
+def same_program_key(plan: Plan | None, policies_differ: bool) -> str:
+    """`plan_key(plan)`, equal for plans that compile to the same program: where the two dots
+    policies save the same values (`dots_policies_differ` False), segments and scans under
+    `NO_BATCH_DOTS` count as under `dots_saveable`."""
+    if plan is None or policies_differ or NO_BATCH_DOTS not in plan_key(plan):
         return plan_key(plan)
     return plan_key(plan).replace(NO_BATCH_DOTS, "dots_saveable")
 

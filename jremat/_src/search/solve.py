@@ -18,6 +18,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from jremat._src.base import compat as _compat
 from jremat._src.base.args import check_count, check_flag
 from jremat._src.base.budget import Budget, parse_budget
 from jremat._src.base.errors import InfeasibleBudgetError
@@ -402,7 +403,7 @@ def _likely_below(prog: Program, spec: Budget, planner: Callable[[], Any]) -> bo
         return False
     leaves = jax.tree_util.tree_leaves(prog.args)
     diff = jax.tree_util.tree_leaves([prog.args[i] for i in prog.nums])
-    fixed = sum(math.prod(x.shape) * np.dtype(x.dtype).itemsize for x in [*leaves, *diff])
+    fixed = sum(_compat.aval_nbytes(x) for x in [*leaves, *diff])  # PRNG keys too
     return spec.footprint_bytes < fixed + planner().no_remat_peak()
 
 

@@ -27,7 +27,11 @@ from jremat._src.compile.program import Program
 from jremat._src.plan.plan import Plan, plan_key
 from jremat._src.plan.rewrite import rematerialize
 from jremat._src.search.solve import solve
-from jremat._src.training.microbatching import leading_batch_size, microbatch
+from jremat._src.training.microbatching import (
+    _check_aux_reduction,
+    leading_batch_size,
+    microbatch,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -225,7 +229,7 @@ def plan_training(
       ValueError: `budget` is a fraction (a fraction is relative to one program's temp
         bytes, and the programs compared here differ, so it has no common meaning) or
         otherwise invalid; a candidate that does not divide `B`; a batch without a common
-        leading axis.
+        leading axis; an `aux_reduction` `jremat.microbatch` does not accept.
       InfeasibleBudgetError: no configuration fits; the message and its
         `smallest_reachable` give the smallest footprint found (bytes), and
         `smallest_reachable_bytes` that configuration's temp bytes.
@@ -254,6 +258,7 @@ def plan_training(
         if isinstance(f, bool) or not isinstance(f, float) or not 0 < f <= 1:
             raise ValueError(f"remat_budgets must be floats in (0, 1]; got {f!r}.")
     check_flag("has_aux", has_aux)
+    _check_aux_reduction(aux_reduction)  # here, not only once a config of k > 1 is compiled
     params_a, batch_a = abstract_args((params, batch))
     size = leading_batch_size(batch_a, 1)
     check_scalar_output(loss_fn, (params_a, batch_a), has_aux)
