@@ -93,7 +93,7 @@ def candidates(graph: Any, planner: Any, plan: Plan, depth: int = 2) -> list[Pla
 
 
 #: How many of the lowest compiled plans `floor_candidates` refines.
-FLOOR_STARTS = 2
+FLOOR_STARTS = 1
 
 
 def floor_candidates(
