@@ -16,6 +16,8 @@ from typing import Any
 import numpy as np
 
 from jremat._src.plan.plan import KEEP, Plan, Segment, plan_key
+from jremat._src.plan.recipes import recipe_plan
+from jremat._src.trace.layers import flop_chunks
 
 #: Primitives that start a sub-layer segment.
 CONTRACTIONS = frozenset({"dot_general", "conv_general_dilated"})
@@ -101,9 +103,10 @@ def floor_candidates(
 ) -> list[Plan]:
     """Plans below the lowest of `compiled` (`(plan, figures)` pairs with `temp_bytes`, such as
     the reference plans and the model's floor plans): `candidates` of each of the `starts`
-    lowest distinct plans without loop rematerializations, the lowest first, none twice and
-    none already in `compiled`. They depend only on `compiled` and the (fitted) cost model,
-    never on a budget, so the floor a call states is found again by a call at that budget.
+    lowest distinct plans without loop rematerializations, the lowest first, then
+    `nothing_saveable` on equal-FLOP chunks; none twice and none already in `compiled`.
+    They depend only on `compiled` and the (fitted) cost model, never on a budget, so the
+    floor a call states is found again by a call at that budget.
     """
     known = {plan_key(p) for p, _ in compiled}
     ranked = sorted(((c.temp_bytes, i) for i, (p, c) in enumerate(compiled) if not p.scans))
@@ -120,4 +123,11 @@ def floor_candidates(
             if plan_key(candidate) not in known:
                 known.add(plan_key(candidate))
                 out.append(candidate)
+    # equal-FLOP chunks over every equation, a reference plan only where the layers have no
+    # names: cut inside the layers, they reach below per-layer remat on a residual MLP chain
+    # (docs/design.md#refinement)
+    if len(flop_chunks(graph)) > 1:
+        chunks = recipe_plan(graph, "nothing_saveable", "chunks")
+        if plan_key(chunks) not in known:
+            out.append(chunks)
     return out
