@@ -86,6 +86,33 @@ def test_repeats_need_a_contraction_and_names_come_first():
     assert len(layer_spans(named)) == 2  # layer_3, then layer_4 (two calls, one name)
 
 
+def test_a_piece_a_block_holds_twice_is_grouped_into_the_block():
+    """A residual MLP block holds `mul, dot_general` twice (normalized input into W1, the
+    activation into W2), which covers all its FLOPs: found without names, the layers are
+    still the whole blocks, the same spans as with names."""
+
+    def block(p, x):
+        h = (x - x.mean(-1, keepdims=True)) * jax.lax.rsqrt(x.var(-1, keepdims=True) + 1e-5)
+        return x + jax.nn.gelu(h @ p[0]) @ p[1]
+
+    def plain(ps, x):
+        for p in ps:
+            x = block(p, x)
+        return jnp.mean(x**2)
+
+    def named(ps, x):
+        for i, p in enumerate(ps):
+            with jax.named_scope(f"layer_{i}"):
+                x = block(p, x)
+        return jnp.mean(x**2)
+
+    args = ([(jnp.ones((8, 16)), jnp.ones((16, 8)))] * 4, jnp.ones((4, 8)))
+    g, gn = build_graph(plain, args), build_graph(named, args)
+    assert layer_source(g) == "repeats" and layer_source(gn) == "names"
+    assert len(layer_spans(gn)) == 4
+    assert layer_spans(g) == layer_spans(gn)
+
+
 def _both_steps_temp(loss, args):
     """Compiled temp of a training step, the larger of `jit(value_and_grad)` and `jit(grad)`
     (a caller runs either; jremat verifies both, docs/design.md#verification)."""

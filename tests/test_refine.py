@@ -63,7 +63,8 @@ def test_split_leaves_kept_and_named_segments_alone(mlp):
 
 def test_floor_candidates_refine_the_lowest_plans_first_none_twice(mlp):
     """`floor_candidates` splits the peaks of the lowest compiled plans (figures given, not
-    compiled here), lowest first, skipping what was compiled already and repeated starts."""
+    compiled here), lowest first, then offers equal-FLOP chunks; nothing compiled already and
+    nothing twice, and the same plans in a new call."""
     _, prog = mlp
     g, planner = prog.graph, prog.planner("chain", 160)
     layers = recipe_plan(g, "nothing_saveable")
@@ -80,9 +81,13 @@ def test_floor_candidates_refine_the_lowest_plans_first_none_twice(mlp):
     keys = [plan_key(p) for p in got]
     assert len(set(keys)) == len(keys)
     assert not set(keys) & {plan_key(p) for p, _ in compiled}
-    # the lowest start (own[0], split once more) first, then `layers` (own[1]), then sqrt_n
-    # is not reached: two starts
-    assert keys[0] != plan_key(own[1]) and plan_key(own[1]) in keys
-    assert all(len(p.segments) > len(layers.segments) for p in got)
+    *splits, chunks = got
+    assert chunks.solver == "nothing_saveable/chunks"
+    # own[0] (the lowest) split further first, then `layers` split twice (own[1]; own[0] was
+    # compiled); sqrt_n is a third start
+    assert splits[0].solver == own[0].solver + "+split" and plan_key(own[1]) in keys
+    assert all(len(p.segments) > len(layers.segments) for p in splits)
     assert [plan_key(p) for p in refine.floor_candidates(g, planner, compiled, starts=2)] == keys
-    assert refine.floor_candidates(g, planner, compiled, starts=3)[-1].segments != got[-1].segments
+    assert len(refine.floor_candidates(g, planner, compiled, starts=3)) > len(got)
+    again = refine.floor_candidates(g, planner, [*compiled, (chunks, figures(30))], starts=2)
+    assert [plan_key(p) for p in again] == keys[:-1]
