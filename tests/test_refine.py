@@ -3,12 +3,15 @@ per contraction, with exact gradients and less recompute than per-layer checkpoi
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import jax
 import models as M  # noqa: E402  (tests/ is on sys.path via conftest)
 import pytest
 
 import jremat
 from jremat._src.compile.program import Program
+from jremat._src.plan.plan import plan_key
 from jremat._src.plan.recipes import recipe_plan
 from jremat._src.search import refine
 
@@ -56,3 +59,35 @@ def test_split_leaves_kept_and_named_segments_alone(mlp):
     identity = jremat.Plan.identity(prog.graph)
     assert refine.split_segment(prog.graph, identity, 0) is None
     assert refine.candidates(prog.graph, prog.planner("chain", 160), identity) == []
+
+
+def test_floor_candidates_refine_the_lowest_plans_first_none_twice(mlp):
+    """`floor_candidates` splits the peaks of the lowest compiled plans (figures given, not
+    compiled here), lowest first, then offers equal-FLOP chunks; nothing compiled already and
+    nothing twice, and the same plans in a new call."""
+    _, prog = mlp
+    g, planner = prog.graph, prog.planner("chain", 160)
+    layers = recipe_plan(g, "nothing_saveable")
+    sqrt_n = recipe_plan(g, "nothing_saveable", "sqrt_n")
+    figures = lambda t: SimpleNamespace(temp_bytes=t)  # noqa: E731
+    own = refine.candidates(g, planner, layers)
+    compiled = [
+        (sqrt_n, figures(20)),
+        (layers, figures(10)),
+        (layers, figures(10)),
+        (own[0], figures(9)),
+    ]
+    got = refine.floor_candidates(g, planner, compiled, starts=2)
+    keys = [plan_key(p) for p in got]
+    assert len(set(keys)) == len(keys)
+    assert not set(keys) & {plan_key(p) for p, _ in compiled}
+    *splits, chunks = got
+    assert chunks.solver == "nothing_saveable/chunks"
+    # own[0] (the lowest) split further first, then `layers` split twice (own[1]; own[0] was
+    # compiled); sqrt_n is a third start
+    assert splits[0].solver == own[0].solver + "+split" and plan_key(own[1]) in keys
+    assert all(len(p.segments) > len(layers.segments) for p in splits)
+    assert [plan_key(p) for p in refine.floor_candidates(g, planner, compiled, starts=2)] == keys
+    assert len(refine.floor_candidates(g, planner, compiled, starts=3)) > len(got)
+    again = refine.floor_candidates(g, planner, [*compiled, (chunks, figures(30))], starts=2)
+    assert [plan_key(p) for p in again] == keys[:-1]

@@ -1,18 +1,23 @@
-"""Sub-layer segments for the segment at a plan's peak, tried when no plan reaches the budget.
+"""Sub-layer segments for the segment at a plan's peak, tried when the budget is below every
+reference plan (`floor_candidates`).
 
 Each contraction of the peak segment becomes its own checkpointed segment; only the peak
-segment, then the next one, are split. Rockmate's idea (Zhao et al., ICML 2023) applied where
-it pays; measurements and why the result is budget-independent: docs/design.md#refinement.
+segment, then the next one, are split, in the lowest compiled plans. Rockmate's idea (Zhao et
+al., ICML 2023) applied where it pays; measurements and why the result is budget-independent:
+docs/design.md#refinement.
 """
 
 from __future__ import annotations
 
 import copy
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
-from jremat._src.plan.plan import KEEP, Plan, Segment
+from jremat._src.plan.plan import KEEP, Plan, Segment, plan_key
+from jremat._src.plan.recipes import recipe_plan
+from jremat._src.trace.layers import flop_chunks
 
 #: Primitives that start a sub-layer segment.
 CONTRACTIONS = frozenset({"dot_general", "conv_general_dilated"})
@@ -86,4 +91,43 @@ def candidates(graph: Any, planner: Any, plan: Plan, depth: int = 2) -> list[Pla
             current = split_segment(graph, current, i) or current
         if current is not plan and all(current.segments != p.segments for p in out):
             out.append(current)
+    return out
+
+
+#: How many of the lowest compiled plans `floor_candidates` refines.
+FLOOR_STARTS = 1
+
+
+def floor_candidates(
+    graph: Any, planner: Any, compiled: Sequence[tuple[Plan, Any]], starts: int = FLOOR_STARTS
+) -> list[Plan]:
+    """Plans below the lowest of `compiled` (`(plan, figures)` pairs with `temp_bytes`, such as
+    the reference plans and the model's floor plans): `candidates` of each of the `starts`
+    lowest distinct plans without loop rematerializations, the lowest first, then
+    `nothing_saveable` on equal-FLOP chunks; none twice and none already in `compiled`.
+    They depend only on `compiled` and the (fitted) cost model, never on a budget, so the
+    floor a call states is found again by a call at that budget.
+    """
+    known = {plan_key(p) for p, _ in compiled}
+    ranked = sorted(((c.temp_bytes, i) for i, (p, c) in enumerate(compiled) if not p.scans))
+    out: list[Plan] = []
+    origins: set[str] = set()
+    for _, i in ranked:
+        if len(origins) >= starts:
+            break
+        plan = compiled[i][0]
+        if plan_key(plan) in origins:
+            continue
+        origins.add(plan_key(plan))
+        for candidate in candidates(graph, planner, plan):
+            if plan_key(candidate) not in known:
+                known.add(plan_key(candidate))
+                out.append(candidate)
+    # equal-FLOP chunks over every equation, a reference plan only where the layers have no
+    # names: cut inside the layers, they reach below per-layer remat on a residual MLP chain
+    # (docs/design.md#refinement)
+    if len(flop_chunks(graph)) > 1:
+        chunks = recipe_plan(graph, "nothing_saveable", "chunks")
+        if plan_key(chunks) not in known:
+            out.append(chunks)
     return out

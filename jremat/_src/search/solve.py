@@ -347,15 +347,11 @@ def solve(
     for p, c in [*rounds, *mixes, *floor]:
         if c.temp_bytes <= target and score(p, c) < best[0]:
             best = (score(p, c), copy.deepcopy(p), c)
-    if best[1] is None:
-        # still nothing fits: cut the segment at the peak of the lowest compiled plan finer
-        # (search/refine.py); like the floor plans, this does not depend on the target
-        lowest = min(
-            ((p, c) for p, c in [*anchors, *floor] if not p.scans),
-            key=lambda pc: pc[1].temp_bytes,
-            default=None,
-        )
-        for candidate in refine.candidates(prog.graph, planner, lowest[0]) if lowest else []:
+    if target < min(c.temp_bytes for _, c in [*anchors, *floor]):
+        # below every reference and floor plan: the segments at the peaks of the lowest
+        # compiled plans cut finer (search/refine.py); like the floor plans, they do not
+        # depend on the target, so a stated floor is found again at that budget
+        for candidate in refine.floor_candidates(prog.graph, planner, [*anchors, *floor]):
             add_floor(candidate, "peak segment split")
     if best[1] is not None:
         pool = [*anchors, *rounds, *mixes, *floor]

@@ -118,8 +118,9 @@ def repeat_keys(graph: Graph, max_length: int = 96, max_patterns: int = 4) -> li
     shortest wins (a ResNet's block rather than its stage of two blocks), of those the one covering
     the most, then the one whose occurrences start where fewer bytes cross. Up to
     `max_patterns` patterns are taken, each on nodes the previous ones left. A pattern is
-    then grown while every occurrence has the same equation next to it (`_extend`), so a
-    block's cheap tail (the activation after its convolution) stays in the block.
+    then grouped where a block holds it several times (`_group_periodic`) and grown while
+    every occurrence has the same equation next to it (`_extend`), so a block's cheap tail
+    (the activation after its convolution) stays in the block.
     """
     n = graph.num_nodes
     keys: list[str | None] = [None] * n
@@ -170,11 +171,33 @@ def repeat_keys(graph: Graph, max_length: int = 96, max_patterns: int = 4) -> li
         # the shortest pattern covering nearly the most: a block, not a stage of blocks
         most = max(v[0] for v in per_length.values())
         length = min(k for k, v in per_length.items() if v[0] >= REPEAT_COVERAGE * most)
-        chosen, length = _extend(tokens, keys, per_length[length][2], length)
+        chosen, length = _group_periodic(tokens, per_length[length][2], length)
+        chosen, length = _extend(tokens, keys, chosen, length)
         for s in chosen:
             keys[s : s + length] = [f"repeat@{s}"] * length
         taken = np.concatenate([[0], np.cumsum([k is not None for k in keys])])
     return keys
+
+
+def _group_periodic(tokens: np.ndarray, starts: list[int], length: int) -> tuple[list[int], int]:
+    """Occurrences `starts` of a `length`-token pattern that each block holds `p` >= 2 times
+    (a residual MLP block's two `mul, dot_general`; a ResNet block's two `norm, relu, conv`
+    halves) grouped `p` at a time into the block: when the equations between the occurrences
+    inside each group are the same in every group, and differ from every gap between groups.
+    Unchanged when no such `p` divides the occurrences (a stage of blocks, evenly spaced, stays
+    its blocks)."""
+    k = len(starts)
+    gaps = [
+        tuple(tokens[a + length : b].tolist()) for a, b in zip(starts, starts[1:], strict=False)
+    ]
+    for p in range(2, k // 2 + 1):
+        if k % p:
+            continue
+        inner = {tuple(gaps[i : i + p - 1]) for i in range(0, k, p)}
+        between = [gaps[i - 1] for i in range(p, k, p)]
+        if len(inner) == 1 and not set(between) & set(next(iter(inner))):
+            return starts[::p], starts[p - 1] + length - starts[0]
+    return starts, length
 
 
 def _extend(
