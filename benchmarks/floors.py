@@ -62,15 +62,9 @@ def chain_plain(
     depth: int = 12, width: int = 128, batch_size: int = 128, block_policy: str | None = None
 ) -> jremat.models.Workload:
     """A residual MLP chain of plain Python blocks, no names: `x + W2 gelu(W1 norm(x))`."""
-    keys = jax.random.split(jremat.models.init_key(5), depth + 1)
-    params = [
-        {
-            "w1": jax.random.normal(k, (width, 2 * width)) / jnp.sqrt(width),
-            "w2": jax.random.normal(jax.random.fold_in(k, 1), (2 * width, width)) / (2 * width),
-        }
-        for k in keys[:depth]
-    ]
-    x = jax.random.normal(keys[-1], (batch_size, width))
+    from jremat.models.plain import residual_mlp_arrays
+
+    params, x = residual_mlp_arrays(depth, width, batch_size, seed=5)
 
     def block(p, x):
         h = (x - x.mean(-1, keepdims=True)) * jax.lax.rsqrt(x.var(-1, keepdims=True) + 1e-5)

@@ -40,9 +40,10 @@ SIZES: dict[str, dict[str, dict[str, Any]]] = {
 }
 
 
-def mlp_workload(depth: int = 12, width: int = 512, batch_size: int = 256) -> Workload:
-    """A residual MLP chain: x <- x + W2 gelu(W1 layernorm(x)), `depth` layers, f32."""
-    keys = jax.random.split(init_key(0), depth + 1)
+def residual_mlp_arrays(depth: int, width: int, batch_size: int, seed: int = 0):
+    """`(params, x)` of a residual MLP chain: `depth` dicts of float32 `w1` [width, 2 width]
+    and `w2` [2 width, width], and a float32 batch `x` [batch_size, width]."""
+    keys = jax.random.split(init_key(seed), depth + 1)
     params = [
         {
             "w1": jax.random.normal(k, (width, 2 * width)) / jnp.sqrt(width),
@@ -50,7 +51,12 @@ def mlp_workload(depth: int = 12, width: int = 512, batch_size: int = 256) -> Wo
         }
         for k in keys[:depth]
     ]
-    x = jax.random.normal(keys[-1], (batch_size, width))
+    return params, jax.random.normal(keys[-1], (batch_size, width))
+
+
+def mlp_workload(depth: int = 12, width: int = 512, batch_size: int = 256) -> Workload:
+    """A residual MLP chain: x <- x + W2 gelu(W1 layernorm(x)), `depth` layers, f32."""
+    params, x = residual_mlp_arrays(depth, width, batch_size)
 
     def loss(params, x):
         for i, p in enumerate(params):
