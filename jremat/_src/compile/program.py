@@ -11,6 +11,7 @@ import concurrent.futures
 import contextvars
 import copy
 import dataclasses
+import functools
 import logging
 import os
 import threading
@@ -149,7 +150,6 @@ class Program:
         self._planners: dict = {}
         self._steps: dict[str, tuple[Compiled, Any, float]] = {}
         self._grad_temps: dict[str, int] = {}
-        self._batched_dots: bool | None = None
         self.tried: list[tuple[Plan, Compiled]] = []  # every plan compiled on this program
         self._anchors: dict = {}
         self.objective = Objective() if objective is None else objective
@@ -165,12 +165,14 @@ class Program:
             and (ambient is None or getattr(ambient, "empty", True))
         )
 
+    @functools.cached_property
+    def _dots_policies_differ(self) -> bool:
+        return dots_policies_differ(self.graph)
+
     def program_key(self, plan: Plan | None) -> str:
         """The memo key of `plan`'s compiled step: equal for plans that compile to the same
         program (`recipes.same_program_key`)."""
-        if self._batched_dots is None:
-            self._batched_dots = dots_policies_differ(self.graph)
-        return same_program_key(plan, self._batched_dots)
+        return same_program_key(plan, self._dots_policies_differ)
 
     @property
     def compiles(self) -> int:
@@ -200,8 +202,8 @@ class Program:
         with self._lock:
             firsts: dict[str, Plan | None] = {}  # plan key -> its first plan, in order
             for p in plans:
-                if self.program_key(p) not in self._steps:
-                    firsts.setdefault(self.program_key(p), p)
+                if (key := self.program_key(p)) not in self._steps:
+                    firsts.setdefault(key, p)
         todo = list(firsts.values())
         workers = min(len(todo), COMPILE_THREADS) if self.threads_ok else 1
         if workers > 1:
@@ -255,9 +257,13 @@ class Program:
         already hold for both (a `shard_map` body), other objectives (a Flax block's kept
         bytes) and offloading plans (measured on a proxy) return `compile(plan)`'s temp.
         """
-        if self.manual_axes or type(self.objective) is not Objective or offloads(plan):
+        if not self._grad_step_apart(plan):
             return self.compile(plan).temp_bytes
         return self._grad_temp(plan)
+
+    def _grad_step_apart(self, plan: Plan | None) -> bool:
+        """Whether `grad_step_temp(plan)` compiles a `jit(grad)` step of its own (see there)."""
+        return not (self.manual_axes or type(self.objective) is not Objective or offloads(plan))
 
     def _grad_temp(self, plan: Plan | None) -> int:
         key = self.program_key(plan)
@@ -278,12 +284,9 @@ class Program:
         `compile` then `grad_step_temp`. Only with `SPECULATE_THREADS` compile threads or more:
         a round that is not returned wastes its `jit(grad)` compile, which costs wall time
         where no CPU is idle."""
-        if (
-            not self.threads_ok
-            or COMPILE_THREADS < SPECULATE_THREADS
-            or type(self.objective) is not Objective
-            or offloads(plan)
-        ):
+        if not self.threads_ok or COMPILE_THREADS < SPECULATE_THREADS:
+            return self.compile(plan)
+        if not self._grad_step_apart(plan):
             return self.compile(plan)
         context = contextvars.copy_context()
         with concurrent.futures.ThreadPoolExecutor(1, "jremat-compile") as pool:
@@ -336,10 +339,11 @@ class Program:
         akey = (planner.name, getattr(planner, "offload", None))
         if akey not in self._anchors:
             min_plan = planner.min_memory_plan()
+            configs = scan_configs(self.graph)
 
             def with_scans(base_plan: Plan) -> list[Plan]:
                 out = []
-                for scans in scan_configs(self.graph):
+                for scans in configs:
                     p = copy.deepcopy(base_plan)
                     p.scans, p.solver = scans, f"{base_plan.solver}+scan"
                     out.append(p)
@@ -348,7 +352,7 @@ class Program:
             plans = self._distinct([min_plan, *anchor_plans(self.graph)])
             plans += self._distinct(with_scans(Plan.identity(self.graph)), plans)
             compiled = self.compile_many([*plans, *also])[: len(plans)]
-            if scan_configs(self.graph) and compiled[0].temp_bytes < self.baseline.temp_bytes:
+            if configs and compiled[0].temp_bytes < self.baseline.temp_bytes:
                 more = self._distinct(with_scans(min_plan), plans)
                 plans, compiled = plans + more, compiled + self.compile_many(more)
             self._anchors[akey] = list(zip(plans, compiled, strict=True))

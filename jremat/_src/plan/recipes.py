@@ -62,9 +62,8 @@ def same_program_key(plan: Plan | None, policies_differ: bool) -> str:
     """`plan_key(plan)`, equal for plans that compile to the same program: where the two dots
     policies save the same values (`dots_policies_differ` False), segments and scans under
     `NO_BATCH_DOTS` count as under `dots_saveable`."""
-    if plan is None or policies_differ or NO_BATCH_DOTS not in plan_key(plan):
-        return plan_key(plan)
-    return plan_key(plan).replace(NO_BATCH_DOTS, "dots_saveable")
+    key = plan_key(plan)
+    return key if policies_differ else key.replace(NO_BATCH_DOTS, "dots_saveable")
 
 
 def anchor_plans(graph: Graph) -> list[Plan]:
