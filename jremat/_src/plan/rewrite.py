@@ -469,8 +469,7 @@ def rematerialize(
                 check_loss_output(graph.out_shape, has_aux=True)
             if not holds_tracers(graph):
                 graphs[key] = graph
-        outs = run_graph(graph, plan, jax.tree_util.tree_leaves(args), prevent_cse=prevent_cse)
-        return jax.tree_util.tree_unflatten(graph.out_tree, outs)
+        return _call_graph(graph, plan, args, prevent_cse)
 
     rematerialized.plan = plan  # type: ignore[attr-defined]
     return rematerialized
@@ -490,10 +489,16 @@ def graph_function(graph: Graph, plan: Plan, *, prevent_cse: bool = True) -> Cal
         raise ValueError("graph_function: the graph holds tracers; use rematerialize(fn, plan)")
 
     def rematerialized(*args: Any) -> Any:
-        outs = run_graph(graph, plan, jax.tree_util.tree_leaves(args), prevent_cse=prevent_cse)
-        return jax.tree_util.tree_unflatten(graph.out_tree, outs)
+        return _call_graph(graph, plan, args, prevent_cse)
 
     return rematerialized
+
+
+def _call_graph(graph: Graph, plan: Plan, args: Sequence[Any], prevent_cse: bool) -> Any:
+    """`graph` evaluated under `plan` on the pytree arguments `args`, as the traced function's
+    output pytree."""
+    outs = run_graph(graph, plan, jax.tree_util.tree_leaves(args), prevent_cse=prevent_cse)
+    return jax.tree_util.tree_unflatten(graph.out_tree, outs)
 
 
 def holds_tracers(graph: Graph) -> bool:
