@@ -4,6 +4,7 @@
     python benchmarks/plan_cost.py --full       # every zoo model and decoder depth
     python benchmarks/plan_cost.py --json F     # also write the rows as JSON lines to F
     python benchmarks/plan_cost.py --depth      # trace + solve without compiles, by depth
+    python benchmarks/plan_cost.py --full-search  # without the best-first search: the "before"
 
 Per cell (a model at a budget) in a fresh process per model:
 
@@ -71,9 +72,23 @@ def workload(name: str):
     return w.loss, w.params, w.batch
 
 
+def _search_mode() -> None:
+    """`--full-search` (passed to the child processes in the environment): `jremat.plan` runs
+    its full search only, as before the best-first search existed."""
+    if os.environ.get(FULL_SEARCH_ENV):
+        from jremat._src.search import solve
+
+        solve.BEST_FIRST = False
+
+
+FULL_SEARCH_ENV = "JREMAT_BENCH_FULL_SEARCH"
+
+
 def _cell(name: str, budgets: list[float], plan_dir: str) -> list[dict]:
     """Measure one model in this process: the plain step, then auto at each budget."""
     import jax
+
+    _search_mode()
 
     import jremat
     from jremat._src.compile import xla
@@ -137,6 +152,8 @@ def _cell(name: str, budgets: list[float], plan_dir: str) -> list[dict]:
 def _warm(name: str, budgets: list[float], plan_dir: str) -> list[dict]:
     """A new process with the plans on disk: auto's first call over the plain step's."""
     import jax
+
+    _search_mode()
 
     import jremat
 
@@ -265,7 +282,12 @@ def main() -> None:
     ap.add_argument("--json", help="also write the rows as JSON lines to this file")
     ap.add_argument("--no-warm", action="store_true", help="skip the warm plan cache runs")
     ap.add_argument("--depth", action="store_true", help="trace + solve without compiles, by depth")
+    ap.add_argument(
+        "--full-search", action="store_true", help="jremat.plan's full search only (the before)"
+    )
     a = ap.parse_args()
+    if a.full_search:
+        os.environ[FULL_SEARCH_ENV] = "1"
     if a.depth:
         budgets = [float(b) for b in a.budgets.split(",")]
         rows = [

@@ -84,7 +84,10 @@ def test_static_string_and_bool_through_the_callers_jit(chain):
     f = jremat.auto(moded, budget=0.6, solver="chain", max_rounds=1)
     step = jax.jit(jax.grad(f), static_argnums=(2, 3))
     want = jax.jit(jax.grad(moded), static_argnums=(2, 3))
-    chex.assert_trees_all_close(step(*args, "mse", True), want(*args, "mse", True), rtol=1e-5)
+    # float32 rounding of a recomputed forward: atol about a few ulps of the largest entries
+    chex.assert_trees_all_close(
+        step(*args, "mse", True), want(*args, "mse", True), rtol=1e-5, atol=1e-7
+    )
     p = only_plan(f)
     got = step.lower(*args, "mse", True).compile().memory_analysis().temp_size_in_bytes
     assert got <= p.budget_temp_bytes

@@ -314,15 +314,25 @@ class Program:
             self._baseline = self.compile(None)
         return self._baseline
 
-    def planner(self, solver: str, max_cuts: int, offload: OffloadCost | None = None):
-        """The planner for this graph (built once per solver, cut count and offload cost)."""
+    def planner(
+        self,
+        solver: str,
+        max_cuts: int,
+        offload: OffloadCost | None = None,
+        *,
+        uncalibrated: bool = False,
+    ):
+        """The planner for this graph (built once per solver, cut count and offload cost).
+        With `uncalibrated`, a planner of its own that the full search never calibrates (its
+        model stays in model bytes), so that the best-first search plans the same whatever
+        was planned on this program before."""
         kw: dict[str, Any] = {}
         if solver == "auto":
             solver = "milp" if self.graph.num_nodes <= AUTO_MILP_MAX_NODES else "chain"
             kw = {"max_nodes": AUTO_MILP_NODES} if solver == "milp" else {}
         if solver == "milp":
             max_cuts = min(max_cuts, 32)  # the MILP has O(max_cuts x span x options) binaries
-        key = (solver, max_cuts, offload)
+        key = (solver, max_cuts, offload, uncalibrated)
         if offload is not None:
             kw["offload"] = offload
         if key not in self._planners:

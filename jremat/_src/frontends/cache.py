@@ -253,7 +253,9 @@ class PlanCache:
             return None
         self.loads += 1
         logger.info("loaded the plan from %s (no planning compiles)", path)
-        return p
+        # the same program may sit in another file, or at other lines of the same one: the
+        # segments' sources are this process's
+        return p.annotate(graph)
 
     def _save(self, key: str, p: Plan) -> None:
         path = self.path(key)

@@ -14,6 +14,7 @@ from typing import Any
 
 import jax
 
+from jremat import policies
 from jremat._src.base import compat as _compat
 from jremat._src.base.args import abstract_args
 from jremat._src.compile.blocks import pairing
@@ -28,7 +29,6 @@ from jremat._src.trace.sources import source_span
 MIB = 2.0**20
 
 #: Built-in policies by what they save (JAX's `jax.checkpoint_policies`).
-_DOTS = ("dot_general", "conv_general_dilated")
 
 
 @dataclasses.dataclass
@@ -302,18 +302,14 @@ def _nnx_loss(fn, args, kwargs, nnx):
 
 # -- rows ------------------------------------------------------------------------------------
 def _policy_saves(policy: str, graph: Graph, vid: int) -> bool:
-    """Whether a built-in policy saves value `vid` (what `jax.checkpoint_policies` keep)."""
+    """Whether the policy named `policy` (`jremat.policies.names()`: JAX's built-ins and
+    jremat's own) saves value `vid`: the very policy the rewrite applies, asked on the
+    equation producing it."""
     p = graph.values[vid].producer
-    node = graph.nodes[p] if p >= 0 else None
-    if node is None or policy in ("nothing_saveable",):
+    if p < 0 or policy not in policies.names():
         return False
-    if policy == "everything_saveable":
-        return True
-    if policy in ("dots_saveable", "checkpoint_dots"):
-        return node.primitive in _DOTS
-    if policy == "dots_with_no_batch_dims_saveable":
-        return node.primitive == "dot_general" and not node.eqn.params["dimension_numbers"][1][0]
-    return False
+    eqn = graph.nodes[p].eqn
+    return bool(policies.get(policy)(eqn.primitive, *[v.aval for v in eqn.invars], **eqn.params))
 
 
 def _describe(graph: Graph, ids: list[int], limit: int = 3) -> list[str]:

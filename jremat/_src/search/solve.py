@@ -27,12 +27,16 @@ from jremat._src.compile.xla import step_grad
 from jremat._src.plan.offload import OffloadCost, host_offload_effective, parse_offload
 from jremat._src.plan.plan import Plan, plan_key
 from jremat._src.plan.rewrite import drop_unkept_names
-from jremat._src.search import mixing, refine
+from jremat._src.search import mixing, predicted, refine
 from jremat._src.trace.graph import Graph
 
 logger = logging.getLogger(__name__)
 
 SOLVERS = ("auto", "chain", "greedy", "dtr", "milp")
+
+#: Whether `solve` tries the best-first search (search/predicted.py) before the full one;
+#: False: the full search only (what `benchmarks/plan_cost.py --full-search` compares with).
+BEST_FIRST = True
 
 #: A round's plan that fits and whose compiled temp bytes are within this fraction of the
 #: target ends the rounds: closer plans save little recompute for another compile each.
@@ -205,8 +209,16 @@ def solve(
 
     t0 = time.perf_counter()
     planner = None
+    # best-first by predicted FLOPs first (search/predicted.py); the full search below where
+    # it finds no plan; scan programs (whose loop settings the model does not describe) go
+    # there directly
+    best_first = BEST_FIRST and verify and not prog.has_scan
     try:
-        if verify and _likely_below(prog, spec, lambda: prog.planner(solver, max_cuts, offload)):
+        if (
+            verify
+            and not best_first
+            and _likely_below(prog, spec, lambda: prog.planner(solver, max_cuts, offload))
+        ):
             # the target is below the unrematerialized program: compile it together with the
             # reference plans (parallel threads), not before them
             planner = prog.planner(solver, max_cuts, offload)
@@ -220,6 +232,10 @@ def solve(
         p = Plan.identity(prog.graph, **meta)
         p.predicted_temp_bytes = base.temp_bytes
         return prog.record(p.annotate(prog.graph), base)
+    if best_first:
+        found = _best_first(prog, target, meta, score, solver, max_rounds, max_cuts, offload)
+        if found is not None:
+            return found
     planner = planner or prog.planner(solver, max_cuts, offload)
     min_plan = planner.min_memory_plan()
     model_min, model_none = min_plan.predicted_temp_bytes, planner.no_remat_peak()
@@ -385,6 +401,63 @@ def solve(
             f"calibrated through {len(xs)} compiled anchors: model {model:,.0f} -> "
             f"{chosen.predicted_temp_bytes:,} bytes"
         )
+    return _finish(chosen, meta, solver, prog.graph)
+
+
+def _best_first(
+    prog: Program,
+    target: float,
+    meta: dict,
+    score: Callable[[Plan, Compiled], float],
+    solver: str,
+    max_rounds: int,
+    max_cuts: int,
+    offload: OffloadCost | None,
+) -> Plan | None:
+    """The plan of `predicted.run` (then mixes of the compiled recipes where it leaves room
+    under the target), whose `jit(grad)` step fits too; None where none fits."""
+    t0 = time.perf_counter()
+    planner = prog.planner(solver, max_cuts, offload, uncalibrated=True)
+    found = predicted.run(
+        prog, planner, target, score, max_rounds=max_rounds, close_enough=CLOSE_ENOUGH
+    )
+    best, pool = found.best, list(found.compiled)
+    if not found.trusted:
+        logger.info("best-first search: the cost model misreads this program")
+        return None
+    if best[1] is None:
+        logger.info("best-first search: no plan fits; the full search follows")
+        return None
+    if best[1].solver != planner.name and best[2].temp_bytes < (1 - CLOSE_ENOUGH) * target:
+        # a recipe beat the planner's plans and left room under the target: some of its
+        # layers under a recipe that saves more (the planner's own plans already choose an
+        # option per segment)
+        for p, c in mixing.search(prog, target, best[0], close_enough=CLOSE_ENOUGH):
+            pool.append((p, c))
+            if c.temp_bytes <= target and score(p, c) < best[0]:
+                best = (score(p, c), p, c)
+    best = _holds_under_grad(prog, target, best, [(score(p, c), p, c) for p, c in pool])
+    if best[1] is None:
+        return None
+    _, chosen, c = best
+    logger.info(
+        "best-first search: %d plans compiled in %.1f s, %d programs on this program so far",
+        len(pool),
+        time.perf_counter() - t0,
+        prog.compiles,
+    )
+    chosen = prog.record(chosen, c)
+    chosen.notes.extend(found.log)
+    model = planner.model.predict(chosen)
+    if model is not None:
+        scale = prog.baseline.temp_bytes / max(planner.no_remat_peak(), 1.0)
+        chosen.predicted_temp_bytes = int(model * scale)
+        chosen.notes.append(
+            f"cost model scaled to the baseline predicts {chosen.predicted_temp_bytes:,} temp bytes"
+        )
+    else:
+        chosen.predicted_temp_bytes = 0
+        chosen.notes.append("no cost-model prediction: a mix of compiled recipes")
     return _finish(chosen, meta, solver, prog.graph)
 
 

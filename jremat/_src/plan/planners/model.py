@@ -340,6 +340,14 @@ class SegmentModel:
         segs = self.segments_of(plan)
         return None if segs is None else max([0.0, *self.segment_peaks(segs)])
 
+    def cost(self, plan: Plan) -> float | None:
+        """Modelled cost of `plan` (`SegmentTable.cost`: recompute FLOPs plus offload
+        transfers as FLOP-equivalents, summed over its segments) for any plan `segments_of`
+        describes; None otherwise."""
+        segs = self.segments_of(plan)
+        t = self.table
+        return None if segs is None else float(sum(t.cost[k, a, b] for a, b, k in segs))
+
     def segment_peaks(self, segs: list[tuple[int, int, int]]) -> list[float]:
         """Modelled bytes live during each segment's backward pass (the stores of it and every
         earlier segment plus its transient), for `[(a, b, option index)]` from `segments_of`."""

@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# One prepared run on a lent GPU machine (no network there): the plan-cost benchmark (best-first
+# search, then the full search alone as "before" on GPT-2) and the device benchmark, each under
+# its own time limit so that one slow part cannot take the others' time.
+#
+#   bash benchmarks/device_session.sh OUT_DIR
+#
+# Wheels the machine's image lacks (transformers 4.x for the Flax GPT-2, HiGHS) are installed
+# from .whl/ when that folder exists (see the device tool's README for how they are fetched).
+set -u -o pipefail
+out=${1:?usage: device_session.sh OUT_DIR}
+mkdir -p "$out"
+if [ -d .whl ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site .whl/*.whl || exit 1
+  export PYTHONPATH=/tmp/site:$PWD
+else
+  export PYTHONPATH=$PWD
+fi
+export PYTHONUNBUFFERED=1
+{
+  nvidia-smi -L
+  nproc
+  python3 -c "import jax, jaxlib; print(jax.__version__, jaxlib.__version__, jax.devices())"
+} 2>&1 | tee "$out/machine.txt"
+timeout "${PLAN_COST_S:-200}" python3 benchmarks/plan_cost.py --models gpt2:6,mlp,scan:6 \
+  --json "$out/plan_cost_gpu.jsonl" 2>&1 | tee "$out/plan_cost_gpu.log"
+timeout "${FULL_SEARCH_S:-90}" python3 benchmarks/plan_cost.py --models gpt2:6 --full-search \
+  --no-warm --json "$out/plan_cost_gpu_full_search.jsonl" 2>&1 |
+  tee "$out/plan_cost_gpu_full_search.log"
+timeout "${GPU_S:-240}" python3 benchmarks/gpu.py --runs 5 --out "$out" 2>&1 | tee "$out/gpu.log"
+exit 0

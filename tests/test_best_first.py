@@ -1,0 +1,110 @@
+"""The best-first search (`search/predicted.py`): fewer compiles than the full search, never a
+plan that recomputes more than a built-in recipe that fits, and the full search where the
+cost model misreads the program. Small models: each test compiles a dozen small programs."""
+
+from __future__ import annotations
+
+import models as M  # tests/ is on sys.path via conftest
+import pytest
+
+import jremat
+from jremat._src.base.budget import parse_budget
+from jremat._src.compile.program import Program
+from jremat._src.plan.plan import plan_key
+from jremat._src.plan.recipes import anchor_plans
+from jremat._src.search import predicted
+from jremat._src.search import solve as solve_module
+from jremat._src.search.solve import solve
+
+
+@pytest.fixture(scope="module")
+def decoder():
+    # activations large enough that the cost model reads this program within `TRUST`
+    return M.decoder(depth=4, d=64, seq=64, batch=8)
+
+
+def _solve(model, fraction: float, best_first: bool, monkeypatch) -> tuple[jremat.Plan, Program]:
+    monkeypatch.setattr(solve_module, "BEST_FIRST", best_first)
+    prog = Program(model.loss, model.args, 0)
+    return solve(prog, parse_budget(fraction), solver=M.SOLVER), prog
+
+
+@pytest.fixture
+def searches(monkeypatch) -> list[predicted.Search]:
+    """Every best-first search run while the test runs."""
+    runs, real = [], predicted.run
+
+    def recorded(*args, **kwargs):
+        runs.append(real(*args, **kwargs))
+        return runs[-1]
+
+    monkeypatch.setattr(predicted, "run", recorded)
+    return runs
+
+
+@pytest.mark.parametrize("fraction", [0.45, 0.7])
+def test_best_first_compiles_fewer_and_never_loses_to_a_fitting_recipe(
+    decoder, fraction, monkeypatch, searches
+):
+    """Fewer programs compiled than by the full search, the budget met, and no built-in
+    recipe whose two steps fit recomputes less than the plan."""
+    plan, prog = _solve(decoder, fraction, True, monkeypatch)
+    (search,) = searches
+    assert search.trusted and search.best[1] is not None  # the best-first search's own plan
+    compiles = prog.compiles
+    _, full = _solve(decoder, fraction, False, monkeypatch)
+    assert compiles < full.compiles
+    target = fraction * plan.baseline_temp_bytes
+    assert plan.measured_temp_bytes <= target
+    fitting = [
+        prog.compile(r).flops
+        for r in anchor_plans(prog.graph)
+        if max(prog.compile(r).temp_bytes, prog.grad_step_temp(r)) <= target
+    ]
+    assert fitting, "no recipe fits: the comparison would hold by construction"
+    assert plan.measured_flops <= min(fitting)
+
+
+def test_a_model_that_misreads_the_program_hands_over_to_the_full_search(
+    decoder, monkeypatch, searches
+):
+    """With no tolerance for the model's error (`TRUST` 0) the first round the best-first
+    search compiles ends it, and the plan is the full search's, figures and all."""
+    monkeypatch.setattr(predicted, "TRUST", 0.0)
+    handed, _ = _solve(decoder, 0.45, True, monkeypatch)
+    (search,) = searches
+    assert not search.trusted
+    full, _ = _solve(decoder, 0.45, False, monkeypatch)
+    assert plan_key(handed) == plan_key(full)
+    assert (handed.measured_temp_bytes, handed.measured_flops) == (
+        full.measured_temp_bytes,
+        full.measured_flops,
+    )
+
+
+def test_a_recipe_that_fits_is_compiled_where_the_planner_plans_worse(decoder):
+    """With a planner whose plans all recompute everything it can (its min-memory plan), the
+    recipe that fits is compiled and chosen: recipes are candidates of their own, ranked by
+    their predicted FLOPs."""
+    from jremat._src.plan.recipes import recipe_plan
+
+    prog = Program(decoder.loss, decoder.args, 0)
+    real = prog.planner(M.SOLVER, 160, uncalibrated=True)
+
+    class MinMemoryOnly:
+        model, name = real.model, real.name
+
+        def no_remat_peak(self):
+            return real.no_remat_peak()
+
+        def plan(self, model_budget):
+            return real.min_memory_plan()
+
+    recipe = recipe_plan(prog.graph, "dots_saveable")
+    target = 1.02 * prog.compile(recipe).temp_bytes
+    search = predicted.run(
+        prog, MinMemoryOnly(), target, lambda p, c: c.flops, max_rounds=2, close_enough=0.03
+    )
+    _, best, compiled = search.best
+    assert compiled.temp_bytes <= target
+    assert compiled.flops <= prog.compile(recipe).flops < prog.compile(real.min_memory_plan()).flops
