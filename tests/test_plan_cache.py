@@ -360,3 +360,22 @@ def test_saved_plans_are_readable_as_the_umask_allows(tmp_path, umask):
     assert stat.S_IMODE(path.stat().st_mode) == 0o666 & ~umask
     assert jremat.Plan.load(path).fingerprint == graph.fingerprint
     assert [p.name for p in tmp_path.iterdir()] == [path.name]
+
+
+def test_a_loaded_plan_names_this_process_sources(tmp_path):
+    """A saved plan found by the same program written elsewhere (another file, other lines)
+    reports the sources of the program that loaded it, not those it was saved with."""
+    first = jremat.auto(_mlp_loss, budget=0.9, verify=False, plan_dir=tmp_path)
+    args = ([(jnp.ones((8, 16)), jnp.ones((16, 8)))] * 2, jnp.ones((4, 8)))
+    jax.eval_shape(jax.grad(first), *args)
+    (path,) = tmp_path.glob("jremat-*.json")
+    saved = jremat.Plan.load(path)
+    for s in saved.segments:
+        s.source = "elsewhere.py:1"
+    saved.save(path)
+    second = jremat.auto(_mlp_loss, budget=0.9, verify=False, plan_dir=tmp_path)
+    jax.eval_shape(jax.grad(second), *args)
+    (loaded,) = second.plan_cache.plans.values()
+    assert second.plan_cache.loads == 1
+    assert loaded.segments and all("elsewhere" not in s.source for s in loaded.segments)
+    assert any("test_plan_cache.py" in s.source for s in loaded.segments)
