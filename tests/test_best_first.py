@@ -10,7 +10,6 @@ import pytest
 import jremat
 from jremat._src.base.budget import parse_budget
 from jremat._src.compile.program import Program
-from jremat._src.plan.plan import plan_key
 from jremat._src.plan.recipes import anchor_plans
 from jremat._src.search import predicted
 from jremat._src.search import solve as solve_module
@@ -69,17 +68,16 @@ def test_a_model_that_misreads_the_program_hands_over_to_the_full_search(
     decoder, monkeypatch, searches
 ):
     """With no tolerance for the model's error (`TRUST` 0) the first round the best-first
-    search compiles ends it, and the plan is the full search's, figures and all."""
+    search compiles ends it; the full search then plans, with what the best-first search
+    compiled among its candidates: never worse than the full search alone."""
     monkeypatch.setattr(predicted, "TRUST", 0.0)
     handed, _ = _solve(decoder, 0.45, True, monkeypatch)
     (search,) = searches
-    assert not search.trusted
+    assert not search.trusted and search.compiled
     full, _ = _solve(decoder, 0.45, False, monkeypatch)
-    assert plan_key(handed) == plan_key(full)
-    assert (handed.measured_temp_bytes, handed.measured_flops) == (
-        full.measured_temp_bytes,
-        full.measured_flops,
-    )
+    assert handed.measured_temp_bytes <= 0.45 * handed.baseline_temp_bytes
+    assert handed.measured_flops <= full.measured_flops
+    assert any(n.startswith("cost model fitted to") for n in handed.notes)  # the full search's
 
 
 def test_a_recipe_that_fits_is_compiled_where_the_planner_plans_worse(decoder):

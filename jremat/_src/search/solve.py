@@ -213,6 +213,7 @@ def solve(
     # it finds no plan; scan programs (whose loop settings the model does not describe) go
     # there directly
     best_first = BEST_FIRST and verify and not prog.has_scan
+    carried: list[tuple[Plan, Compiled]] = []  # what the best-first search compiled
     try:
         if (
             verify
@@ -233,7 +234,9 @@ def solve(
         p.predicted_temp_bytes = base.temp_bytes
         return prog.record(p.annotate(prog.graph), base)
     if best_first:
-        found = _best_first(prog, target, meta, score, solver, max_rounds, max_cuts, offload)
+        found, carried = _best_first(
+            prog, target, meta, score, solver, max_rounds, max_cuts, offload
+        )
         if found is not None:
             return found
     planner = planner or prog.planner(solver, max_cuts, offload)
@@ -360,7 +363,7 @@ def solve(
     # mixes of the compiled recipes (some layers or scan iterations under each of two)
     mixes = mixing.search(prog, target, best[0], close_enough=CLOSE_ENOUGH)
     # only plans of this call count (not those another budget compiled on this program)
-    for p, c in [*rounds, *mixes, *floor]:
+    for p, c in [*rounds, *mixes, *floor, *carried]:
         if c.temp_bytes <= target and score(p, c) < best[0]:
             best = (score(p, c), copy.deepcopy(p), c)
     if target < min(c.temp_bytes for _, c in [*anchors, *floor]):
@@ -370,7 +373,7 @@ def solve(
         for candidate in refine.floor_candidates(prog.graph, planner, [*anchors, *floor]):
             add_floor(candidate, "peak segment split")
     if best[1] is not None:
-        pool = [*anchors, *rounds, *mixes, *floor]
+        pool = [*anchors, *rounds, *mixes, *floor, *carried]
         best = _holds_under_grad(prog, target, best, [(score(p, c), p, c) for p, c in pool])
     _, chosen, c = best
     logger.info(
@@ -413,9 +416,10 @@ def _best_first(
     max_rounds: int,
     max_cuts: int,
     offload: OffloadCost | None,
-) -> Plan | None:
+) -> tuple[Plan | None, list[tuple[Plan, Compiled]]]:
     """The plan of `predicted.run` (then mixes of the compiled recipes where it leaves room
-    under the target), whose `jit(grad)` step fits too; None where none fits."""
+    under the target), whose `jit(grad)` step fits too, or None where none fits or the model
+    misreads the program; and every plan it compiled (candidates of the full search then)."""
     t0 = time.perf_counter()
     planner = prog.planner(solver, max_cuts, offload, uncalibrated=True)
     found = predicted.run(
@@ -424,10 +428,10 @@ def _best_first(
     best, pool = found.best, list(found.compiled)
     if not found.trusted:
         logger.info("best-first search: the cost model misreads this program")
-        return None
+        return None, pool
     if best[1] is None:
         logger.info("best-first search: no plan fits; the full search follows")
-        return None
+        return None, pool
     if best[1].solver != planner.name and best[2].temp_bytes < (1 - CLOSE_ENOUGH) * target:
         # a recipe beat the planner's plans and left room under the target: some of its
         # layers under a recipe that saves more (the planner's own plans already choose an
@@ -438,7 +442,7 @@ def _best_first(
                 best = (score(p, c), p, c)
     best = _holds_under_grad(prog, target, best, [(score(p, c), p, c) for p, c in pool])
     if best[1] is None:
-        return None
+        return None, pool
     _, chosen, c = best
     logger.info(
         "best-first search: %d plans compiled in %.1f s, %d programs on this program so far",
@@ -458,7 +462,7 @@ def _best_first(
     else:
         chosen.predicted_temp_bytes = 0
         chosen.notes.append("no cost-model prediction: a mix of compiled recipes")
-    return _finish(chosen, meta, solver, prog.graph)
+    return _finish(chosen, meta, solver, prog.graph), pool
 
 
 def _likely_below(prog: Program, spec: Budget, planner: Callable[[], Any]) -> bool:
