@@ -38,6 +38,9 @@ SOLVERS = ("auto", "chain", "greedy", "dtr", "milp")
 #: False: the full search only (what `benchmarks/plan_cost.py --full-search` compares with).
 BEST_FIRST = True
 
+#: The solvers the best-first search runs for: the exact ones ("auto" picks one of them).
+BEST_FIRST_SOLVERS = ("auto", "chain", "milp")
+
 #: A round's plan that fits and whose compiled temp bytes are within this fraction of the
 #: target ends the rounds: closer plans save little recompute for another compile each.
 CLOSE_ENOUGH = 0.03
@@ -210,9 +213,10 @@ def solve(
     t0 = time.perf_counter()
     planner = None
     # best-first by predicted FLOPs first (search/predicted.py); the full search below where
-    # it finds no plan; scan programs (whose loop settings the model does not describe) go
-    # there directly
-    best_first = BEST_FIRST and verify and not prog.has_scan
+    # it finds no plan. Straight to the full search: scan programs (whose loop settings the
+    # model does not describe), and the heuristic planners (greedy, DTR), whose plan at a
+    # model budget is not the model's cheapest, which the best-first search stops on
+    best_first = BEST_FIRST and verify and not prog.has_scan and solver in BEST_FIRST_SOLVERS
     carried: list[tuple[Plan, Compiled]] = []  # what the best-first search compiled
     try:
         if (
