@@ -4,6 +4,8 @@ cost model misreads the program. Small models: each test compiles a dozen small 
 
 from __future__ import annotations
 
+import warnings
+
 import models as M  # tests/ is on sys.path via conftest
 import pytest
 
@@ -106,3 +108,20 @@ def test_a_recipe_that_fits_is_compiled_where_the_planner_plans_worse(decoder):
     _, best, compiled = search.best
     assert compiled.temp_bytes <= target
     assert compiled.flops <= prog.compile(recipe).flops < prog.compile(real.min_memory_plan()).flops
+
+
+
+def test_a_target_at_or_below_zero_compiles_no_recipe_and_warns_nothing(decoder):
+    """A byte budget at or below the step's fixed bytes leaves a temp target of 0 or below:
+    no recipe can fit one below 0 (they were compiled) and none is divided by 0 (numpy's
+    RuntimeWarning); nothing is found, and the full search states the smallest budget."""
+    prog = Program(decoder.loss, decoder.args, 0)
+    planner = prog.planner(M.SOLVER, 160, uncalibrated=True)
+    for target in (0.0, -1.0):
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            search = predicted.run(
+                prog, planner, target, lambda p, c: c.flops, max_rounds=2, close_enough=0.03
+            )
+        assert search.best[1] is None
+        assert all(p.solver == planner.name for p, _ in search.compiled)

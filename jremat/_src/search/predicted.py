@@ -129,10 +129,12 @@ def run(
         predicted = model.predict(r)
         if predicted is None:
             return True
-        ratio = predicted * scale / target
+        # products, not ratios: a byte budget at or below the step's fixed bytes leaves a
+        # target of 0 or below (no division by it, and no recipe fits one below 0)
+        expected = predicted * scale
         if not rounds:
-            return ratio <= RECIPE_BYTES_SLACK
-        return ratio <= 1 or (dp_done and ratio <= RECIPE_TRUSTED_SLACK)
+            return expected <= RECIPE_BYTES_SLACK * target
+        return expected <= target or (dp_done and expected <= RECIPE_TRUSTED_SLACK * target)
 
     while True:
         dp, aim = None, 0.0
