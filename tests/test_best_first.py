@@ -125,3 +125,28 @@ def test_a_target_at_or_below_zero_compiles_no_recipe_and_warns_nothing(decoder)
             )
         assert search.best[1] is None
         assert all(p.solver == planner.name for p, _ in search.compiled)
+
+
+def test_the_planner_solves_each_model_budget_once(decoder):
+    """While recipes compile the aim stays put: the planner (seconds per solve for the MILP)
+    is asked once per model budget, not once per compile."""
+    prog = Program(decoder.loss, decoder.args, 0)
+    real = prog.planner(M.SOLVER, 160, uncalibrated=True)
+    asked = []
+
+    class Counting:
+        model, name = real.model, real.name
+
+        def no_remat_peak(self):
+            return real.no_remat_peak()
+
+        def plan(self, model_budget):
+            asked.append(model_budget)
+            return real.plan(model_budget)
+
+    target = 0.45 * prog.baseline.temp_bytes
+    search = predicted.run(
+        prog, Counting(), target, lambda p, c: c.flops, max_rounds=4, close_enough=0.03
+    )
+    assert any(p.solver != real.name for p, _ in search.compiled)  # recipes between rounds
+    assert asked and len(asked) == len(set(asked))

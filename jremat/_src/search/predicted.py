@@ -124,6 +124,14 @@ def run(
     scale = base.temp_bytes / max(planner.no_remat_peak(), 1.0)  # model -> compiled bytes
     recipes = anchor_plans(prog.graph)
     rounds, seen, dp_done = 0, set(), False
+    planned: dict[float, Plan | None] = {}  # model budget -> the planner's plan
+
+    def plan_at(model_budget: float) -> Plan | None:
+        # the aim stays put while recipes compile (only the planner's plans move it): one
+        # solve per budget (the MILP's take seconds each)
+        if model_budget not in planned:
+            planned[model_budget] = planner.plan(model_budget)
+        return planned[model_budget]
 
     def recipe_may_fit(r: Plan) -> bool:
         predicted = model.predict(r)
@@ -143,13 +151,13 @@ def run(
             # bytes less well than its own plans'
             ours = [pc for pc in s.compiled if pc[0].solver == planner.name]
             aim = _aim(model, [(identity, base), *ours], target)
-            dp = planner.plan(aim)
+            dp = plan_at(aim)
             if dp is None and not ours:
                 # below the model's minimum as scaled: XLA packs the lowest plans tighter
                 # than the model (its min-memory plan compiles below it on every program
                 # measured), so start just above that minimum
                 aim = model.min_memory_plan(planner.name).predicted_temp_bytes * FLOOR_MARGIN
-                dp = planner.plan(aim)
+                dp = plan_at(aim)
             if dp is None or prog.program_key(dp) in seen:
                 dp = None
         dp_done = dp_done or dp is None
