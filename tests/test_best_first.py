@@ -150,3 +150,19 @@ def test_the_planner_solves_each_model_budget_once(decoder):
     )
     assert any(p.solver != real.name for p, _ in search.compiled)  # recipes between rounds
     assert asked and len(asked) == len(set(asked))
+
+
+def test_a_planner_the_model_does_not_describe_hands_over_without_compiling_its_plan(decoder):
+    """dtr's plans (save sets of its own) are not in the segment model: nothing to check the
+    model against, so the full search plans them, and the best-first search compiles none of
+    them (it compiled one, then handed over as if the model expected 0 bytes)."""
+    prog = Program(decoder.loss, decoder.args, 0)
+    planner = prog.planner("dtr", 160, uncalibrated=True)
+    target = 0.45 * prog.baseline.temp_bytes
+    assert planner.model.predict(planner.plan(target)) is None  # else this tests nothing
+    search = predicted.run(
+        prog, planner, target, lambda p, c: c.flops, max_rounds=2, close_enough=0.03
+    )
+    assert not search.trusted
+    assert all(p.solver != planner.name for p, _ in search.compiled)
+    assert "does not describe" in search.log[-1]
