@@ -4,6 +4,8 @@ cost model misreads the program. Small models: each test compiles a dozen small 
 
 from __future__ import annotations
 
+import warnings
+
 import models as M  # tests/ is on sys.path via conftest
 import pytest
 
@@ -106,3 +108,61 @@ def test_a_recipe_that_fits_is_compiled_where_the_planner_plans_worse(decoder):
     _, best, compiled = search.best
     assert compiled.temp_bytes <= target
     assert compiled.flops <= prog.compile(recipe).flops < prog.compile(real.min_memory_plan()).flops
+
+
+
+def test_a_target_at_or_below_zero_compiles_no_recipe_and_warns_nothing(decoder):
+    """A byte budget at or below the step's fixed bytes leaves a temp target of 0 or below:
+    no recipe can fit one below 0 (they were compiled) and none is divided by 0 (numpy's
+    RuntimeWarning); nothing is found, and the full search states the smallest budget."""
+    prog = Program(decoder.loss, decoder.args, 0)
+    planner = prog.planner(M.SOLVER, 160, uncalibrated=True)
+    for target in (0.0, -1.0):
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            search = predicted.run(
+                prog, planner, target, lambda p, c: c.flops, max_rounds=2, close_enough=0.03
+            )
+        assert search.best[1] is None
+        assert all(p.solver == planner.name for p, _ in search.compiled)
+
+
+def test_the_planner_solves_each_model_budget_once(decoder):
+    """While recipes compile the aim stays put: the planner (seconds per solve for the MILP)
+    is asked once per model budget, not once per compile."""
+    prog = Program(decoder.loss, decoder.args, 0)
+    real = prog.planner(M.SOLVER, 160, uncalibrated=True)
+    asked = []
+
+    class Counting:
+        model, name = real.model, real.name
+
+        def no_remat_peak(self):
+            return real.no_remat_peak()
+
+        def plan(self, model_budget):
+            asked.append(model_budget)
+            return real.plan(model_budget)
+
+    target = 0.45 * prog.baseline.temp_bytes
+    search = predicted.run(
+        prog, Counting(), target, lambda p, c: c.flops, max_rounds=4, close_enough=0.03
+    )
+    assert any(p.solver != real.name for p, _ in search.compiled)  # recipes between rounds
+    assert asked and len(asked) == len(set(asked))
+
+
+def test_a_planner_the_model_does_not_describe_hands_over_without_compiling_its_plan(decoder):
+    """dtr's plans (save sets of its own) are not in the segment model: nothing to check the
+    model against, so the full search plans them, and the best-first search compiles none of
+    them (it compiled one, then handed over as if the model expected 0 bytes)."""
+    prog = Program(decoder.loss, decoder.args, 0)
+    planner = prog.planner("dtr", 160, uncalibrated=True)
+    target = 0.45 * prog.baseline.temp_bytes
+    assert planner.model.predict(planner.plan(target)) is None  # else this tests nothing
+    search = predicted.run(
+        prog, planner, target, lambda p, c: c.flops, max_rounds=2, close_enough=0.03
+    )
+    assert not search.trusted
+    assert all(p.solver != planner.name for p, _ in search.compiled)
+    assert "does not describe" in search.log[-1]

@@ -125,15 +125,25 @@ def run(
     scale = base.temp_bytes / max(planner.no_remat_peak(), 1.0)  # model -> compiled bytes
     recipes = anchor_plans(prog.graph)
     rounds, seen, dp_done = 0, set(), False
+    planned: dict[float, Plan | None] = {}  # model budget -> the planner's plan
+
+    def plan_at(model_budget: float) -> Plan | None:
+        # the aim stays put while recipes compile (only the planner's plans move it): one
+        # solve per budget (the MILP's take seconds each)
+        if model_budget not in planned:
+            planned[model_budget] = planner.plan(model_budget)
+        return planned[model_budget]
 
     def recipe_may_fit(r: Plan) -> bool:
         predicted = model.predict(r)
         if predicted is None:
             return True
-        ratio = predicted * scale / target
+        # products, not ratios: a byte budget at or below the step's fixed bytes leaves a
+        # target of 0 or below (no division by it, and no recipe fits one below 0)
+        expected = predicted * scale
         if not rounds:
-            return ratio <= RECIPE_BYTES_SLACK
-        return ratio <= 1 or (dp_done and ratio <= RECIPE_TRUSTED_SLACK)
+            return expected <= RECIPE_BYTES_SLACK * target
+        return expected <= target or (dp_done and expected <= RECIPE_TRUSTED_SLACK * target)
 
     while True:
         dp, aim = None, 0.0
@@ -142,13 +152,13 @@ def run(
             # bytes less well than its own plans'
             ours = [pc for pc in s.compiled if pc[0].solver == planner.name]
             aim = _aim(model, [(identity, base), *ours], target)
-            dp = planner.plan(aim)
+            dp = plan_at(aim)
             if dp is None and not ours:
                 # below the model's minimum as scaled: XLA packs the lowest plans tighter
                 # than the model (its min-memory plan compiles below it on every program
                 # measured), so start just above that minimum
                 aim = model.min_memory_plan(planner.name).predicted_temp_bytes * FLOOR_MARGIN
-                dp = planner.plan(aim)
+                dp = plan_at(aim)
             if dp is None or prog.program_key(dp) in seen:
                 dp = None
         dp_done = dp_done or dp is None
@@ -168,6 +178,16 @@ def run(
             recipes.pop(i)
             c = s.try_plan(pick, f"recipe {pick.solver}")
         else:
+            if model.predict(pick) is None:
+                # a plan the segment model does not describe (dtr's save sets): nothing to
+                # check the model against or to aim by, so the full search plans it, without
+                # compiling it here
+                s.log.append(
+                    f"the cost model does not describe {planner.name}'s plans: the full search "
+                    "follows"
+                )
+                s.trusted = False
+                break
             rounds += 1
             c = s.try_plan(pick, f"round {rounds}: model budget {aim:,.0f}")
             if (1 - close_enough) * target <= c.temp_bytes <= target:
