@@ -110,7 +110,6 @@ def test_a_recipe_that_fits_is_compiled_where_the_planner_plans_worse(decoder):
     assert compiled.flops <= prog.compile(recipe).flops < prog.compile(real.min_memory_plan()).flops
 
 
-
 def test_a_target_at_or_below_zero_compiles_no_recipe_and_warns_nothing(decoder):
     """A byte budget at or below the step's fixed bytes leaves a temp target of 0 or below:
     no recipe can fit one below 0 (they were compiled) and none is divided by 0 (numpy's
@@ -166,3 +165,29 @@ def test_a_planner_the_model_does_not_describe_hands_over_without_compiling_its_
     assert not search.trusted
     assert all(p.solver != planner.name for p, _ in search.compiled)
     assert "does not describe" in search.log[-1]
+
+
+@pytest.fixture(scope="module")
+def scanned():
+    return M.scan_layers(depth=6, width=32, batch=128)
+
+
+@pytest.mark.parametrize("fraction", [0.5])
+def test_loop_settings_first_that_fits_then_mixes(scanned, fraction, monkeypatch):
+    """A program whose layers live in a scan: body policies in the order of what they save,
+    the first that fits, then mixes; fewer compiles than the full search, and no body policy
+    that fits recomputes less than the plan."""
+    from jremat._src.search import mixing
+
+    plan, prog = _solve(scanned, fraction, True, monkeypatch)
+    _, full = _solve(scanned, fraction, False, monkeypatch)
+    assert prog.compiles < full.compiles
+    target = fraction * plan.baseline_temp_bytes
+    assert plan.measured_temp_bytes <= target and plan.scans
+    units, build = mixing.loop_family(prog)
+    fitting = [
+        c.flops
+        for c in (prog.compile(build([p] * units)) for p in mixing.UNIT_POLICIES[1:])
+        if c.temp_bytes <= target
+    ]
+    assert fitting and plan.measured_flops <= min(fitting)

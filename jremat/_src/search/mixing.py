@@ -71,6 +71,15 @@ def _families(prog: Any) -> list[tuple[int, Callable[[list[str]], Plan]]]:
     return [(units, lambda pols: layer_mix_plan(graph, pols))] if units > 1 else []
 
 
+def loop_family(prog: Any) -> tuple[int, Callable[[list[str]], Plan]] | None:
+    """(iterations, plan builder from per-iteration policies) of a program whose units are
+    the iterations of its top-level scans; None for any other program."""
+    graph = prog.graph
+    if not any(nd.primitive == "scan" and int(nd.eqn.params["length"]) > 1 for nd in graph.nodes):
+        return None
+    return _families(prog)[0]
+
+
 def compositions(units: int, n_policies: int, max_distinct: int = 3):
     """Every way to give `units` units to `n_policies` policies (counts per policy, summing to
     `units`) using at most `max_distinct` of them: tuples of length `n_policies`."""

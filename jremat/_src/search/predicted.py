@@ -21,8 +21,9 @@ from typing import Any
 import numpy as np
 
 from jremat._src.compile.program import Compiled, Program
-from jremat._src.plan.plan import Plan
+from jremat._src.plan.plan import KEEP, Plan
 from jremat._src.plan.recipes import anchor_plans
+from jremat._src.search import mixing
 
 logger = logging.getLogger(__name__)
 
@@ -215,3 +216,61 @@ def _aim(model: Any, compiled: list[tuple[Plan, Compiled]], target: float) -> fl
     if target <= xs[0]:
         return float(ys[0] * target / max(xs[0], 1.0))
     return float(np.interp(target, xs, ys))
+
+
+def run_loops(
+    prog: Program, target: float, score: Callable[[Plan, Compiled], float], *, close_enough: float
+) -> Search:
+    """Best-first over the loop settings of a program whose layers live in top-level scans
+    (the segment model does not describe loop settings, so nothing is predicted in bytes).
+
+    The body policies of `mixing.UNIT_POLICIES` on every iteration are compiled in their order
+    until one fits: each saves a subset of what the one before it saves, so their FLOPs only
+    grow along it and the first that fits is the cheapest of them. Then mixes of it and the
+    policy before it (the unrematerialized loop before the first): the most iterations under
+    the cheaper one that the two compiled temps, interpolated, fit, corrected by the miss
+    (`MIX_TRIES` compiles at most). Nested settings (sqrt(L) loops) are the full search's:
+    where no body policy fits, the returned search has no plan.
+
+    Returns:
+      The `Search` (its `planner` is None); `best` is `(inf, None, None)` where no body policy
+      fits, or where the program has no loop of more than one iteration.
+    """
+    s = Search(prog, None, target, score, close_enough)
+    families = mixing.loop_family(prog)
+    if families is None:
+        return s
+    units, build = families
+    base = prog.baseline
+    before: tuple[str, float, float] = (KEEP, base.temp_bytes, base.flops)
+    for policy in mixing.UNIT_POLICIES[1:]:
+        c = s.try_plan(build([policy] * units), f"loop body {policy}")
+        if c.temp_bytes <= target:
+            break
+        before = (policy, c.temp_bytes, c.flops)
+    else:
+        return s
+    fit = (policy, c.temp_bytes, c.flops)
+    if c.temp_bytes >= (1 - close_enough) * target:
+        return s
+    aim = target
+    for _ in range(MIX_TRIES):
+        # n iterations under the policy that saves more, the rest under the one that fits
+        n = int((aim - fit[1]) * units // max(before[1] - fit[1], 1))
+        n = min(max(n, 0), units - 1)
+        if n <= 0:
+            break
+        expected = (n * before[1] + (units - n) * fit[1]) / units
+        mix = build([fit[0]] * (units - n) + [before[0]] * n)
+        mix.notes.append(f"mix: {n} x {before[0]}, {units - n} x {fit[0]} of {units} units")
+        if prog.program_key(mix) in {prog.program_key(p) for p, _ in s.compiled}:
+            break
+        c = s.try_plan(mix, f"loop mix: {n} x {before[0]} of {units}")
+        if c.temp_bytes <= target:
+            break
+        aim -= c.temp_bytes - expected  # the interpolation missed by this much
+    return s
+
+
+#: Mixes of two loop body policies `run_loops` compiles at most.
+MIX_TRIES = 2

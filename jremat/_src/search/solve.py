@@ -215,11 +215,16 @@ def solve(
 
     t0 = time.perf_counter()
     planner = None
-    # best-first by predicted FLOPs first (search/predicted.py); the full search below where
-    # it finds no plan. Straight to the full search: scan programs (whose loop settings the
-    # model does not describe), and the heuristic planners (greedy, DTR), whose plan at a
-    # model budget is not the model's cheapest, which the best-first search stops on
-    best_first = BEST_FIRST and verify and not prog.has_scan and solver in BEST_FIRST_SOLVERS
+    # best-first first (search/predicted.py; loop settings for scan programs); the full
+    # search below where it finds no plan. Straight to the full search: the heuristic
+    # planners (greedy, DTR), whose plan at a model budget is not the model's cheapest, which
+    # the best-first search stops on, and offloading scan programs
+    best_first = (
+        BEST_FIRST
+        and verify
+        and solver in BEST_FIRST_SOLVERS
+        and not (prog.has_scan and offload is not None)
+    )
     carried: list[tuple[Plan, Compiled]] = []  # what the best-first search compiled
     try:
         if (
@@ -428,10 +433,14 @@ def _best_first(
     under the target), whose `jit(grad)` step fits too, or None where none fits or the model
     misreads the program; and every plan it compiled (candidates of the full search then)."""
     t0 = time.perf_counter()
-    planner = prog.planner(solver, max_cuts, offload, uncalibrated=True)
-    found = predicted.run(
-        prog, planner, target, score, max_rounds=max_rounds, close_enough=CLOSE_ENOUGH
-    )
+    if prog.has_scan:  # layers inside loops: their loop settings (search/predicted.py)
+        planner = None
+        found = predicted.run_loops(prog, target, score, close_enough=CLOSE_ENOUGH)
+    else:
+        planner = prog.planner(solver, max_cuts, offload, uncalibrated=True)
+        found = predicted.run(
+            prog, planner, target, score, max_rounds=max_rounds, close_enough=CLOSE_ENOUGH
+        )
     best, pool = found.best, list(found.compiled)
     if not found.trusted:
         logger.info("best-first search: the cost model misreads this program")
@@ -439,7 +448,8 @@ def _best_first(
     if best[1] is None:
         logger.info("best-first search: no plan fits; the full search follows")
         return None, pool
-    if best[1].solver != planner.name and best[2].temp_bytes < (1 - CLOSE_ENOUGH) * target:
+    recipe_won = planner is not None and best[1].solver != planner.name
+    if recipe_won and best[2].temp_bytes < (1 - CLOSE_ENOUGH) * target:
         # a recipe beat the planner's plans and left room under the target: some of its
         # layers under a recipe that saves more (the planner's own plans already choose an
         # option per segment)
@@ -459,7 +469,7 @@ def _best_first(
     )
     chosen = prog.record(chosen, c)
     chosen.notes.extend(found.log)
-    model = planner.model.predict(chosen)
+    model = None if planner is None else planner.model.predict(chosen)
     if model is not None:
         scale = prog.baseline.temp_bytes / max(planner.no_remat_peak(), 1.0)
         chosen.predicted_temp_bytes = int(model * scale)
@@ -468,7 +478,10 @@ def _best_first(
         )
     else:
         chosen.predicted_temp_bytes = 0
-        chosen.notes.append("no cost-model prediction: a mix of compiled recipes")
+        chosen.notes.append(
+            "no cost-model prediction: "
+            + ("loop settings" if planner is None else "a mix of compiled recipes")
+        )
     return _finish(chosen, meta, solver, prog.graph), pool
 
 
