@@ -25,7 +25,8 @@ def decoder():
 
 
 def _solve(model, fraction: float, best_first: bool, monkeypatch) -> tuple[jremat.Plan, Program]:
-    monkeypatch.setattr(solve_module, "BEST_FIRST", best_first)
+    monkeypatch.setattr(solve_module, "BEST_FIRST_LOOPS", best_first)
+    monkeypatch.setattr(solve_module, "BEST_FIRST_UNROLLED", best_first)
     prog = Program(model.loss, model.args, 0)
     return solve(prog, parse_budget(fraction), solver=M.SOLVER), prog
 

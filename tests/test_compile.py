@@ -162,13 +162,12 @@ def test_block_program_uses_program_step(compiles):
 
 
 def test_a_plan_call_compiles_a_fixed_count_whatever_was_planned_before(compiles, monkeypatch):
-    """Regression guard on planning cost: one `solve` at 0.5 compiles 6 programs: the
-    best-first search (search/predicted.py) compiles the baseline and, cheapest predicted
-    first, the recipes and the planner's plans that may fit and beat the best so far (the
-    MLP's twin recipes `dots_saveable` and `dots_with_no_batch_dims_saveable` compiled once):
-    5 steps of `jit(value_and_grad)`; then the chosen plan's `jit(grad)` step, which must fit
-    too (the full search compiled 8, 9 on jax 0.12). And the plan does not depend on budgets
-    planned earlier on the same `Program`."""
+    """Regression guard on planning cost: one `solve` at 0.5 compiles 8 programs on jax 0.10
+    (baseline, reference plans and pure recipes in one parallel batch, then rounds and mixes:
+    7 steps of `jit(value_and_grad)` (8 on jax 0.12), the MLP's twin recipes `dots_saveable` and
+    `dots_with_no_batch_dims_saveable` compiled once; and the chosen plan's `jit(grad)` step,
+    which must fit too); and the
+    plan does not depend on budgets planned earlier on the same `Program`."""
     from jremat._src.base.budget import parse_budget
     from jremat._src.compile import program
     from jremat._src.plan.plan import plan_key
@@ -179,7 +178,8 @@ def test_a_plan_call_compiles_a_fixed_count_whatever_was_planned_before(compiles
     loss, params, x = _mlp()
     prog = Program(loss, (params, x), 0)
     fresh = solve(prog, parse_budget(0.5), solver="chain")
-    steps = 5
+    # jax 0.12's programs compile to other temp figures, so the rounds and mixes differ
+    steps = 7 if jax.__version_info__ < (0, 11) else 8
     assert compiles.jremat == prog.compiles + 1 == steps + 1
     assert fresh.measured_temp_bytes <= 0.5 * fresh.baseline_temp_bytes
     _only_through_compile_jitted(compiles)

@@ -34,9 +34,13 @@ logger = logging.getLogger(__name__)
 
 SOLVERS = ("auto", "chain", "greedy", "dtr", "milp")
 
-#: Whether `solve` tries the best-first search (search/predicted.py) before the full one;
-#: False: the full search only (what `benchmarks/plan_cost.py --full-search` compares with).
-BEST_FIRST = True
+#: Whether `solve` tries the best-first search (search/predicted.py) before the full one on
+#: programs whose layers live in top-level scans (loop settings: the same plans, a third of
+#: the compiles) and on the others (`predicted.run`: half the compiles on GPT-2, but plans
+#: that recompute 0.1-0.2 points of FLOPs more than the full search's, and off for that:
+#: docs/design.md#best-first-search). `benchmarks/plan_cost.py --full-search` sets both False.
+BEST_FIRST_LOOPS = True
+BEST_FIRST_UNROLLED = False
 
 #: The solvers the best-first search runs for: the exact ones ("auto" picks one of them).
 BEST_FIRST_SOLVERS = ("auto", "chain", "milp")
@@ -220,10 +224,9 @@ def solve(
     # planners (greedy, DTR), whose plan at a model budget is not the model's cheapest, which
     # the best-first search stops on, and offloading scan programs
     best_first = (
-        BEST_FIRST
-        and verify
+        verify
         and solver in BEST_FIRST_SOLVERS
-        and not (prog.has_scan and offload is not None)
+        and (BEST_FIRST_LOOPS and offload is None if prog.has_scan else BEST_FIRST_UNROLLED)
     )
     carried: list[tuple[Plan, Compiled]] = []  # what the best-first search compiled
     try:
