@@ -1,13 +1,17 @@
-"""Best-first search by predicted FLOPs: compile only the plans that may fit the budget and
-may recompute less than the best plan compiled so far.
+"""Best-first searches: compile only the plans that may fit the budget and may recompute less
+than the best plan compiled so far; `solve.solve` runs its full search (reference plans
+compiled for calibration, floor plans, refinement) only where these find no plan that fits.
 
-`solve.solve` tries this before its full search (reference plans compiled for calibration,
-floor plans, refinement), which it runs only where this finds no plan that fits. Candidates
-are the built-in recipes (`recipes.anchor_plans`) and the planner's plans at a model budget
-aimed at the target through the compiled plans so far; each is ranked by its predicted
-score, the baseline's compiled FLOPs plus the cost model's recompute FLOPs (which undercount
-XLA's on every program measured, so a candidate whose prediction does not beat a compiled
-plan cannot beat it compiled). Why and what it costs: docs/design.md#planning-cost.
+* `run_loops` (on by default, `solve.BEST_FIRST_LOOPS`): a program whose layers live in
+  top-level scans; loop body policies in the order of what they save, then mixes.
+* `run` (off by default, `solve.BEST_FIRST_UNROLLED`: its plans recompute a little more than
+  the full search's): the built-in recipes (`recipes.anchor_plans`) and the planner's plans
+  at a model budget aimed at the target, each ranked by its predicted score, the baseline's
+  compiled FLOPs plus the cost model's recompute FLOPs (which undercount XLA's for the
+  planner's plans on every program measured, so one whose prediction does not beat a
+  compiled plan cannot beat it compiled).
+
+Why and what was measured: docs/design.md#best-first-search-_srcsearchpredictedpy.
 """
 
 from __future__ import annotations

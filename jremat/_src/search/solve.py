@@ -105,10 +105,8 @@ def plan(
       argnums: differentiated arguments, as in `jax.grad`.
       verify: compile plans and keep only one whose compiled temp bytes meet the budget
         (recommended). With False the cost model (scaled to the baseline) decides and only
-        the baseline is compiled; the plan may then miss the budget. Verified plans of the
-        exact solvers come from a best-first search (candidates compiled cheapest-predicted
-        first) unless the cost model misreads the program; then, and for "greedy" and
-        "dtr", from the full search (docs/design.md#verification).
+        the baseline is compiled; the plan may then miss the budget. Programs whose layers
+        live in a `lax.scan` try their loop body policies first (docs/design.md#verification).
       max_rounds: how many plans verification may compile before settling (an int >= 1).
       max_cuts: cut candidates the DP considers (an int >= 1).
       offload: host offload (docs/design.md#host-offload). None/False (default): segments save or
