@@ -11,7 +11,7 @@ compiled for calibration, floor plans, refinement) only where these find no plan
   planner's plans on every program measured, so one whose prediction does not beat a
   compiled plan cannot beat it compiled).
 
-Why and what was measured: docs/design.md#best-first-search-_srcsearchpredictedpy.
+Why and what was measured: docs/design.md#best-first-search.
 """
 
 from __future__ import annotations
