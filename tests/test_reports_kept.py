@@ -72,12 +72,10 @@ def test_a_plan_lists_and_counts_only_the_residuals_jax_keeps(planned, capsys):
     assert "float32[128, 16]" not in "".join(
         line for line in p.summary(graph).splitlines() if "saves:" in line
     )
-    # in checkpointed segments, explain lists float32[128,16] values only where the segment
-    # starts from them (a kept segment keeps all its residuals, those among them)
+    # explain lists float32[128,16] values only where a checkpointed segment starts from them
     starts = {v for s in p.segments if s.checkpointed for v in segment_io(graph, s)[0]}
     starts = {v for v in starts if graph.is_temp(v) and graph.values[v].shape == (128, 16)}
-    rows = [r for r in explain_plan(graph, p) if r.policy != "keep"]
-    listed = [d for r in rows for d in r.saved if d == "float32[128, 16]"]
+    listed = [d for r in explain_plan(graph, p) for d in r.saved if d == "float32[128, 16]"]
     assert len(listed) == len(starts)
 
 
