@@ -430,8 +430,9 @@ def _best_first(
     max_cuts: int,
     offload: OffloadCost | None,
 ) -> tuple[Plan | None, list[tuple[Plan, Compiled]]]:
-    """The plan of `predicted.run` (then mixes of the compiled recipes where it leaves room
-    under the target), whose `jit(grad)` step fits too, or None where none fits or the model
+    """The plan of the best-first search (`predicted.run_loops` for scan programs, else
+    `predicted.run`, then mixes of the compiled recipes where a recipe won with room left
+    under the target) whose `jit(grad)` step fits too, or None where none fits or the model
     misreads the program; and every plan it compiled (candidates of the full search then)."""
     t0 = time.perf_counter()
     if prog.has_scan:  # layers inside loops: their loop settings (search/predicted.py)
