@@ -44,7 +44,7 @@ def searches(monkeypatch) -> list[predicted.Search]:
     return runs
 
 
-@pytest.mark.parametrize("fraction", [0.45, 0.7])
+@pytest.mark.parametrize("fraction", [0.45])
 def test_best_first_compiles_fewer_and_never_loses_to_a_fitting_recipe(
     decoder, fraction, monkeypatch, searches
 ):
