@@ -72,8 +72,9 @@ class Search:
     compiled: list[tuple[Plan, Compiled]] = dataclasses.field(default_factory=list)
     best: tuple[float, Plan | None, Compiled | None] = (math.inf, None, None)
     log: list[str] = dataclasses.field(default_factory=list)
-    #: False once a planner's plan compiled further from the scaled model's bytes than
-    #: `TRUST`: the model misreads this program, the full search's calibration is needed
+    #: False once a compiled candidate lay further from the scaled model's bytes than
+    #: `TRUST`, or a planner's plan was one the model does not describe: the full search's
+    #: calibration is needed
     trusted: bool = True
 
     def predicted_score(self, plan: Plan, share: float = 1.0) -> float:
@@ -179,11 +180,12 @@ def run(
             break
         _, i, pick = min(options, key=lambda o: (o[0], o[1]))
         seen.add(prog.program_key(pick))
+        predicted = model.predict(pick)
         if i >= 0:
             recipes.pop(i)
             c = s.try_plan(pick, f"recipe {pick.solver}")
         else:
-            if model.predict(pick) is None:
+            if predicted is None:
                 # a plan the segment model does not describe (dtr's save sets): nothing to
                 # check the model against or to aim by, so the full search plans it, without
                 # compiling it here
@@ -197,7 +199,6 @@ def run(
             c = s.try_plan(pick, f"round {rounds}: model budget {aim:,.0f}")
             if (1 - close_enough) * target <= c.temp_bytes <= target:
                 dp_done = True
-        predicted = model.predict(pick)
         if predicted is not None and abs(c.temp_bytes / max(predicted * scale, 1.0) - 1) > TRUST:
             s.log.append(
                 f"the cost model scaled to the baseline expected {predicted * scale:,.0f} temp "
