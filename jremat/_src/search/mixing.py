@@ -60,24 +60,23 @@ def _label(policies: list[str], kind: str = "layers") -> str:
     return f"mix:{kind}:" + "+".join(used)
 
 
-def _families(prog: Any) -> list[tuple[int, Callable[[list[str]], Plan]]]:
-    """(number of units, plan builder from per-unit policies) for each way to mix."""
-    graph = prog.graph
-    lengths = [int(nd.eqn.params["length"]) for nd in graph.nodes if nd.primitive == "scan"]
-    if lengths and max(lengths) > 1:
-        # layers live inside the loop: the units to mix are its iterations
-        return [(max(lengths), lambda pols: scan_mix_plan(graph, pols))]
-    units = len(layer_segments(graph))
-    return [(units, lambda pols: layer_mix_plan(graph, pols))] if units > 1 else []
-
-
 def loop_family(prog: Any) -> tuple[int, Callable[[list[str]], Plan]] | None:
     """(iterations, plan builder from per-iteration policies) of a program whose units are
-    the iterations of its top-level scans; None for any other program."""
+    the iterations of its top-level scans (the longest one's); None for any other program."""
     graph = prog.graph
-    if not any(nd.primitive == "scan" and int(nd.eqn.params["length"]) > 1 for nd in graph.nodes):
+    lengths = [int(nd.eqn.params["length"]) for nd in graph.nodes if nd.primitive == "scan"]
+    if not lengths or max(lengths) <= 1:
         return None
-    return _families(prog)[0]
+    return max(lengths), lambda pols: scan_mix_plan(graph, pols)
+
+
+def _families(prog: Any) -> list[tuple[int, Callable[[list[str]], Plan]]]:
+    """(number of units, plan builder from per-unit policies) for each way to mix."""
+    if (loops := loop_family(prog)) is not None:
+        return [loops]  # layers live inside the loop: the units to mix are its iterations
+    graph = prog.graph
+    units = len(layer_segments(graph))
+    return [(units, lambda pols: layer_mix_plan(graph, pols))] if units > 1 else []
 
 
 def compositions(units: int, n_policies: int, max_distinct: int = 3):
