@@ -72,7 +72,7 @@ def _aux_accumulator(kind: str, k: int) -> omb.Accumulator:
     raise AssertionError(kind)
 
 
-def _check_aux_reduction(aux_reduction: Any) -> None:
+def check_aux_reduction(aux_reduction: Any) -> None:
     leaves = jax.tree.leaves(aux_reduction)
     bad = [x for x in leaves if x not in _AUX_REDUCTIONS]
     if not leaves or bad:
@@ -230,7 +230,7 @@ def microbatch(
         raise ValueError(f"reduction must be one of {_REDUCTIONS}; got {reduction!r}.")
     if not isinstance(has_aux, bool):
         raise TypeError(f"has_aux must be a bool; got {has_aux!r}.")
-    _check_aux_reduction(aux_reduction)
+    check_aux_reduction(aux_reduction)
     acc_dt = None
     if accumulator_dtype is not None:
         acc_dt = check_float_dtype("accumulator_dtype (or None)", accumulator_dtype)

@@ -28,7 +28,7 @@ from jremat._src.plan.plan import Plan, plan_key
 from jremat._src.plan.rewrite import rematerialize
 from jremat._src.search.solve import solve
 from jremat._src.training.microbatching import (
-    _check_aux_reduction,
+    check_aux_reduction,
     leading_batch_size,
     microbatch,
 )
@@ -258,7 +258,7 @@ def plan_training(
         if isinstance(f, bool) or not isinstance(f, float) or not 0 < f <= 1:
             raise ValueError(f"remat_budgets must be floats in (0, 1]; got {f!r}.")
     check_flag("has_aux", has_aux)
-    _check_aux_reduction(aux_reduction)  # here, not only once a config of k > 1 is compiled
+    check_aux_reduction(aux_reduction)  # here, not only once a config of k > 1 is compiled
     params_a, batch_a = abstract_args((params, batch))
     size = leading_batch_size(batch_a, 1)
     check_scalar_output(loss_fn, (params_a, batch_a), has_aux)
