@@ -28,8 +28,6 @@ from jremat._src.trace.sources import source_span
 
 MIB = 2.0**20
 
-#: Built-in policies by what they save (JAX's `jax.checkpoint_policies`).
-
 
 @dataclasses.dataclass
 class ExplainRow:
