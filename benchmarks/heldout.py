@@ -45,6 +45,15 @@ BUDGETS = (0.25, 0.4, 0.55, 0.7, 0.85)
 MODELS = ("mlp", "gpt2", "gpt2_scan", "unet")
 
 
+def _unpredicted(plan) -> str:
+    """Why `plan` carries no cost-model prediction (`predicted_temp_bytes` 0)."""
+    if plan.scans:
+        return "loop settings"
+    if plan.solver.endswith("+split"):
+        return "sub-layer segments"
+    return "chosen on its compiled figures"
+
+
 def workload(name: str):
     if name == "gpt2_scan":
         return scanned_decoder()
@@ -105,7 +114,7 @@ def model_rows(name: str, budgets) -> tuple[list[str], list[float], list[str]]:
             ratios.append(r)
             ratio = f"{r:.2f}"
         pred = plan.predicted_temp_bytes / plan.measured_temp_bytes
-        pred_text = f"{pred:.2f}" if plan.predicted_temp_bytes else "n/a (sub-layer segments)"
+        pred_text = f"{pred:.2f}" if plan.predicted_temp_bytes else f"n/a ({_unpredicted(plan)})"
         lines.append(
             f"| {name} | {b} | {frac:.3f} / {pct:.2f}% ({plan.solver}, {seconds:.0f} s, "
             f"predicted/compiled temp {pred_text}) | {ratio or '-'} | "

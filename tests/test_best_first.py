@@ -192,3 +192,41 @@ def test_loop_settings_first_that_fits_then_mixes(scanned, fraction, monkeypatch
         if c.temp_bytes <= target
     ]
     assert fitting and plan.measured_flops <= min(fitting)
+
+
+def test_a_recipe_that_recomputes_nothing_ends_the_search(decoder, monkeypatch):
+    """Where the recipe that saves the most fits (both steps) and XLA counts no more FLOPs for
+    it than for the unrematerialized program, no plan can recompute less: it is returned and
+    nothing else is compiled. One FLOP more and the search goes on: the rule is exact."""
+    import dataclasses
+
+    from jremat._src.search import mixing
+
+    prog = Program(decoder.loss, decoder.args, 0)
+    base = prog.baseline
+    recipe = mixing.most_saving_plan(prog)
+    counted = {"flops": base.flops}  # what "XLA" counts for the recipe
+    real_step = Program._compile_step
+
+    def step(self, plan):
+        c, exe, seconds = real_step(self, plan)
+        if plan is not None and plan.solver == recipe.solver:
+            c = dataclasses.replace(c, flops=counted["flops"])
+        return c, exe, seconds
+
+    monkeypatch.setattr(Program, "_compile_step", step)
+    target = 1.02 * max(prog.compile(recipe).temp_bytes, prog.grad_step_temp(recipe))
+    assert target < base.temp_bytes  # else the identity plan, and this tests nothing
+    meta = dict(budget=target / base.temp_bytes, budget_temp_bytes=int(target))
+
+    real_compile = prog.compile
+    one_more = lambda p: dataclasses.replace(real_compile(p), flops=base.flops + 1)  # noqa: E731
+    monkeypatch.setattr(prog, "compile", one_more)
+    assert solve_module._no_recompute(prog, target, recipe, meta, M.SOLVER) is None
+    monkeypatch.setattr(prog, "compile", real_compile)
+
+    plan = solve(prog, parse_budget(target / base.temp_bytes), solver=M.SOLVER)
+    assert plan.solver == recipe.solver
+    assert [p.solver for p, _ in prog.tried] == [recipe.solver]  # no reference plan compiled
+    assert prog.compiles == 2 and plan.measured_temp_bytes <= target
+    assert plan.measured_flops == base.flops

@@ -111,6 +111,15 @@ def pure_plans(prog: Any) -> list[Plan]:
     return [build([pol] * units) for units, build in _families(prog) for pol in UNIT_POLICIES]
 
 
+def most_saving_plan(prog: Any) -> Plan | None:
+    """The pure recipe that saves the most (`UNIT_POLICIES[1]`, the first after keep, on every
+    unit) of an unrolled program with more than one layer; None for any other program."""
+    if loop_family(prog) is not None:
+        return None
+    families = _families(prog)
+    return families[0][1]([UNIT_POLICIES[1]] * families[0][0]) if families else None
+
+
 def search(
     prog: Any, target: float, best_flops: float, max_compiles: int = 3, close_enough: float = 0.03
 ) -> list:

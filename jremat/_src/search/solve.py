@@ -42,6 +42,12 @@ SOLVERS = ("auto", "chain", "greedy", "dtr", "milp")
 BEST_FIRST_LOOPS = True
 BEST_FIRST_UNROLLED = False
 
+#: Whether `solve` compiles the recipe that saves the most (`mixing.most_saving_plan`) with
+#: the baseline before the reference plans, and returns it where it fits and XLA counts no
+#: more FLOPs for it than for the unrematerialized program: no plan recomputes less, so the
+#: reference plans, rounds and mixes are not compiled (docs/design.md#best-first-search).
+NO_RECOMPUTE_FIRST = True
+
 #: The solvers the best-first search runs for: the exact ones ("auto" picks one of them).
 BEST_FIRST_SOLVERS = ("auto", "chain", "milp")
 
@@ -227,6 +233,7 @@ def solve(
         and (BEST_FIRST_LOOPS and offload is None if prog.has_scan else BEST_FIRST_UNROLLED)
     )
     carried: list[tuple[Plan, Compiled]] = []  # what the best-first search compiled
+    first = None  # the recipe that may need no recompute, compiled with the baseline
     try:
         if (
             verify
@@ -234,9 +241,15 @@ def solve(
             and _likely_below(prog, spec, lambda: prog.planner(solver, max_cuts, offload))
         ):
             # the target is below the unrematerialized program: compile it together with the
-            # reference plans (parallel threads), not before them
-            planner = prog.planner(solver, max_cuts, offload)
-            prog.anchors(planner, also=[None, *mixing.pure_plans(prog)])
+            # reference plans (parallel threads), not before them; or first with the recipe
+            # that saves the most, which ends the search where it recomputes nothing
+            if NO_RECOMPUTE_FIRST and solver in BEST_FIRST_SOLVERS and offload is None:
+                first = mixing.most_saving_plan(prog)
+            if first is not None:
+                prog.compile_many([None, first])
+            else:
+                planner = prog.planner(solver, max_cuts, offload)
+                prog.anchors(planner, also=[None, *mixing.pure_plans(prog)])
         base = prog.baseline
     except Exception as e:  # noqa: BLE001 - re-raised unless fn has no reverse derivative
         return _no_reverse_derivative(prog, spec, e)
@@ -246,6 +259,8 @@ def solve(
         p = Plan.identity(prog.graph, **meta)
         p.predicted_temp_bytes = base.temp_bytes
         return prog.record(p.annotate(prog.graph), base)
+    if first is not None and (found := _no_recompute(prog, target, first, meta, solver)):
+        return found
     if best_first:
         found, carried = _best_first(
             prog, target, meta, score, solver, max_rounds, max_cuts, offload
@@ -485,6 +500,27 @@ def _best_first(
             + ("loop settings" if planner is None else "a mix of compiled recipes")
         )
     return _finish(chosen, meta, solver, prog.graph), pool
+
+
+def _no_recompute(prog: Program, target: float, plan: Plan, meta: dict, solver: str):
+    """`plan` (compiled already) finished as the plan returned, when it fits `target` in both
+    steps and XLA counts no more FLOPs for it than for the unrematerialized program (no plan
+    recomputes less); None otherwise."""
+    c, base = prog.compile(plan), prog.baseline
+    if c.temp_bytes > target or c.flops > base.flops:
+        return None
+    _, chosen, c = _holds_under_grad(prog, target, (c.flops, plan, c), [])
+    if chosen is None:
+        return None
+    logger.info("%s fits and recomputes nothing: no other plan compiled", plan.solver)
+    chosen = prog.record(chosen, c)
+    chosen.predicted_temp_bytes = 0
+    chosen.notes.append(
+        f"{plan.solver} compiles to {c.flops:,.0f} FLOPs, the unrematerialized program to "
+        f"{base.flops:,.0f}: no plan recomputes less, so no other plan was compiled; no "
+        "cost-model prediction"
+    )
+    return _finish(chosen, meta, solver, prog.graph)
 
 
 def _likely_below(prog: Program, spec: Budget, planner: Callable[[], Any]) -> bool:
