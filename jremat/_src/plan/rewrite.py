@@ -239,10 +239,36 @@ def run_graph(graph: Graph, plan: Plan, flat_args: Sequence[Any], *, prevent_cse
     env: dict[int, Any] = dict(zip(graph.invars, flat_args, strict=True))
     env.update(graph.consts)
     for seg in plan.segments:
-        nodes = graph.nodes[seg.start : seg.end]
         if not seg.checkpointed:
-            _eval_nodes(nodes, env, {}, plan.scans)
+            _eval_nodes(graph.nodes[seg.start : seg.end], env, {}, plan.scans)
             continue
+        live_in, live_out, run = _segment_runner(graph, seg, plan.scans, prevent_cse)
+        env.update(zip(live_out, run(*[env[i] for i in live_in]), strict=True))
+    return [x.val if is_literal(x) else env[x] for x in graph.outvars]
+
+
+def _segment_runner(
+    graph: Graph, seg: Segment, scans: dict[str, ScanSetting], prevent_cse: bool
+) -> tuple[list[int], list[int], Callable[..., Any]]:
+    """(live-in ids, live-out ids, the checkpointed function) of a checkpointed segment,
+    built once per graph and segment: the same function object for the same segment in
+    every plan, so that JAX's caches (the checkpoint's traced jaxpr, its JVP and partial
+    evaluation, keyed on the function and its policy) serve every candidate that shares it
+    instead of tracing it again."""
+    inside = {k: v for k, v in scans.items() if seg.start <= int(k) < seg.end}
+    key = (
+        seg.start,
+        seg.end,
+        seg.policy,
+        tuple(seg.saved),
+        tuple(seg.offloaded),
+        tuple(sorted(inside.items())),
+        prevent_cse,
+        _compat.TIED_RECOMPUTE,
+    )
+    runners = graph.memo.setdefault("segment_runners", {})
+    if key not in runners:
+        nodes = graph.nodes[seg.start : seg.end]
         live_in, live_out = segment_io(graph, seg)
         tag = (
             {v: residual_name(v) for v in [*seg.saved, *seg.offloaded]}
@@ -250,17 +276,17 @@ def run_graph(graph: Graph, plan: Plan, flat_args: Sequence[Any], *, prevent_cse
             else {}
         )
 
-        def seg_fn(*ins, nodes=nodes, live_in=live_in, live_out=live_out, tag=tag):
+        def seg_fn(*ins):
             local = dict(zip(live_in, ins, strict=True))
-            _eval_nodes(nodes, local, tag, plan.scans)
+            _eval_nodes(nodes, local, tag, inside)
             return [local[o] for o in live_out]
 
         if _compat.TIED_RECOMPUTE:
             run = tied_checkpoint(seg_fn, segment_policy(seg), prevent_cse)
         else:
             run = jax.checkpoint(seg_fn, policy=segment_policy(seg), prevent_cse=prevent_cse)
-        env.update(zip(live_out, run(*[env[i] for i in live_in]), strict=True))
-    return [x.val if is_literal(x) else env[x] for x in graph.outvars]
+        runners[key] = (live_in, live_out, run)
+    return runners[key]
 
 
 def drop_unkept_names(graph: Graph, plan: Plan) -> Plan:
