@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import warnings
 
+import jax
 import models as M  # tests/ is on sys.path via conftest
 import pytest
 
@@ -230,3 +231,36 @@ def test_a_recipe_that_recomputes_nothing_ends_the_search(decoder, monkeypatch):
     assert [p.solver for p, _ in prog.tried] == [recipe.solver]  # no reference plan compiled
     assert prog.compiles == 2 and plan.measured_temp_bytes <= target
     assert plan.measured_flops == base.flops
+
+
+def test_a_byte_budget_of_a_sharded_program_ends_the_search_on_the_same_recipe(
+    decoder, monkeypatch
+):
+    """The recipe that recomputes nothing is tried wherever the target is below the
+    unrematerialized program, not only where the cost model guessed so before compiling:
+    a byte budget of a program on a mesh (whose footprint is not guessed) ends the search
+    after the same two compiles as a fraction does."""
+    import dataclasses
+
+    from jax.sharding import PartitionSpec as P
+
+    from jremat._src.search import mixing
+
+    mesh = jax.make_mesh((1,), ("data",))
+    prog = Program(decoder.loss, decoder.args, 0, in_shardings=P(), mesh=mesh)
+    assert not prog.threads_ok  # a program on a mesh: `_likely_below` does not guess bytes
+    base, recipe = prog.baseline, mixing.most_saving_plan(prog)
+    real_step = Program._compile_step
+
+    def step(self, plan):  # "XLA" counts the baseline's FLOPs for the recipe
+        c, exe, seconds = real_step(self, plan)
+        if plan is not None and plan.solver == recipe.solver:
+            c = dataclasses.replace(c, flops=base.flops)
+        return c, exe, seconds
+
+    monkeypatch.setattr(Program, "_compile_step", step)
+    target = 1.02 * max(prog.compile(recipe).temp_bytes, prog.grad_step_temp(recipe))
+    assert target < base.temp_bytes
+    plan = solve(prog, parse_budget(int(target) + base.fixed_bytes), solver=M.SOLVER)
+    assert plan.solver == recipe.solver and plan.measured_temp_bytes <= target
+    assert prog.compiles == 2  # was 10: the reference plans, their rounds and mixes

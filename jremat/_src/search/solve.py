@@ -233,8 +233,13 @@ def solve(
         and (BEST_FIRST_LOOPS and offload is None if prog.has_scan else BEST_FIRST_UNROLLED)
     )
     carried: list[tuple[Plan, Compiled]] = []  # what the best-first search compiled
-    first = None  # the recipe that may need no recompute, compiled with the baseline
+    # the recipe that may need no recompute: tried whenever the target is below the baseline
+    # (not only where `_likely_below` guessed so), so that where the search ends does not
+    # depend on the guess (byte budgets of sharded programs, a model an earlier search fitted)
+    first = None
     try:
+        if NO_RECOMPUTE_FIRST and verify and not best_first and offload is None:
+            first = mixing.most_saving_plan(prog) if solver in BEST_FIRST_SOLVERS else None
         if (
             verify
             and not best_first
@@ -243,8 +248,6 @@ def solve(
             # the target is below the unrematerialized program: compile it together with the
             # reference plans (parallel threads), not before them; or first with the recipe
             # that saves the most, which ends the search where it recomputes nothing
-            if NO_RECOMPUTE_FIRST and solver in BEST_FIRST_SOLVERS and offload is None:
-                first = mixing.most_saving_plan(prog)
             if first is not None:
                 prog.compile_many([None, first])
             else:
