@@ -264,3 +264,33 @@ def test_a_byte_budget_of_a_sharded_program_ends_the_search_on_the_same_recipe(
     plan = solve(prog, parse_budget(int(target) + base.fixed_bytes), solver=M.SOLVER)
     assert plan.solver == recipe.solver and plan.measured_temp_bytes <= target
     assert prog.compiles == 2  # was 10: the reference plans, their rounds and mixes
+
+
+def test_loop_mixes_that_all_miss_hand_over_to_the_full_search():
+    """A reverse scan whose split loops compile far above the interpolation of their pure
+    policies: every mix the loop search tries misses the target, and the pure policy that fits
+    (`nothing_saveable` on every iteration, 0.34 of the temp at a budget of 0.6) recomputes
+    far more than the full search's mix. The full search then plans, and its plan recomputes
+    less than that pure policy."""
+    import jax.numpy as jnp
+
+    from jremat._src.search import mixing
+
+    params, x = M.scan_layers(depth=7, width=64, batch=512).args
+
+    def loss(p, xb):
+        def layer(c, q):
+            h = jnp.tanh(c @ q["w1"])
+            c = c + h @ q["w2"]
+            return c, jnp.sum(h, axis=-1)
+
+        xb, ys = jax.lax.scan(layer, xb, p, reverse=True)
+        return jnp.mean(xb**2) + jnp.mean(ys**2)
+
+    prog = Program(loss, (params, x), 0)
+    plan = solve(prog, parse_budget(0.6), solver=M.SOLVER)
+    assert plan.measured_temp_bytes <= 0.6 * plan.baseline_temp_bytes
+    units, build = mixing.loop_family(prog)
+    pure = prog.compile(build(["nothing_saveable"] * units))
+    assert pure.temp_bytes <= 0.6 * plan.baseline_temp_bytes  # the fallback that fits
+    assert plan.measured_flops < pure.flops

@@ -463,7 +463,7 @@ def _best_first(
         )
     best, pool = found.best, list(found.compiled)
     if not found.trusted:
-        logger.info("best-first search: the cost model misreads this program")
+        logger.info("best-first search hands over to the full search: %s", found.log[-1])
         return None, pool
     if best[1] is None:
         logger.info("best-first search: no plan fits; the full search follows")
