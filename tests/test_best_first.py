@@ -195,6 +195,22 @@ def test_loop_settings_first_that_fits_then_mixes(scanned, fraction, monkeypatch
     assert fitting and plan.measured_flops <= min(fitting)
 
 
+def _count_baseline_flops_for(recipe, flops: float, monkeypatch) -> None:
+    """Make "XLA" count `flops` (the baseline's) for `recipe` when it compiles: a recipe that
+    recomputes nothing, which the test models do not give on every JAX version."""
+    import dataclasses
+
+    real_step = Program._compile_step
+
+    def step(self, plan):
+        c, exe, seconds = real_step(self, plan)
+        if plan is not None and plan.solver == recipe.solver:
+            c = dataclasses.replace(c, flops=flops)
+        return c, exe, seconds
+
+    monkeypatch.setattr(Program, "_compile_step", step)
+
+
 def test_a_recipe_that_recomputes_nothing_ends_the_search(decoder, monkeypatch):
     """Where the recipe that saves the most fits (both steps) and XLA counts no more FLOPs for
     it than for the unrematerialized program, no plan can recompute less: it is returned and
@@ -206,16 +222,7 @@ def test_a_recipe_that_recomputes_nothing_ends_the_search(decoder, monkeypatch):
     prog = Program(decoder.loss, decoder.args, 0)
     base = prog.baseline
     recipe = mixing.most_saving_plan(prog)
-    counted = {"flops": base.flops}  # what "XLA" counts for the recipe
-    real_step = Program._compile_step
-
-    def step(self, plan):
-        c, exe, seconds = real_step(self, plan)
-        if plan is not None and plan.solver == recipe.solver:
-            c = dataclasses.replace(c, flops=counted["flops"])
-        return c, exe, seconds
-
-    monkeypatch.setattr(Program, "_compile_step", step)
+    _count_baseline_flops_for(recipe, base.flops, monkeypatch)
     target = 1.02 * max(prog.compile(recipe).temp_bytes, prog.grad_step_temp(recipe))
     assert target < base.temp_bytes  # else the identity plan, and this tests nothing
     meta = dict(budget=target / base.temp_bytes, budget_temp_bytes=int(target))
@@ -240,8 +247,6 @@ def test_a_byte_budget_of_a_sharded_program_ends_the_search_on_the_same_recipe(
     unrematerialized program, not only where the cost model guessed so before compiling:
     a byte budget of a program on a mesh (whose footprint is not guessed) ends the search
     after the same two compiles as a fraction does."""
-    import dataclasses
-
     from jax.sharding import PartitionSpec as P
 
     from jremat._src.search import mixing
@@ -250,15 +255,7 @@ def test_a_byte_budget_of_a_sharded_program_ends_the_search_on_the_same_recipe(
     prog = Program(decoder.loss, decoder.args, 0, in_shardings=P(), mesh=mesh)
     assert not prog.threads_ok  # a program on a mesh: `_likely_below` does not guess bytes
     base, recipe = prog.baseline, mixing.most_saving_plan(prog)
-    real_step = Program._compile_step
-
-    def step(self, plan):  # "XLA" counts the baseline's FLOPs for the recipe
-        c, exe, seconds = real_step(self, plan)
-        if plan is not None and plan.solver == recipe.solver:
-            c = dataclasses.replace(c, flops=base.flops)
-        return c, exe, seconds
-
-    monkeypatch.setattr(Program, "_compile_step", step)
+    _count_baseline_flops_for(recipe, base.flops, monkeypatch)
     target = 1.02 * max(prog.compile(recipe).temp_bytes, prog.grad_step_temp(recipe))
     assert target < base.temp_bytes
     plan = solve(prog, parse_budget(int(target) + base.fixed_bytes), solver=M.SOLVER)
