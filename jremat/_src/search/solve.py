@@ -38,7 +38,8 @@ SOLVERS = ("auto", "chain", "greedy", "dtr", "milp")
 #: programs whose layers live in top-level scans (loop settings: the same plans, a third of
 #: the compiles) and on the others (`predicted.run`: half the compiles on GPT-2, but plans
 #: that recompute 0.1-0.2 points of FLOPs more than the full search's, and off for that:
-#: docs/design.md#best-first-search). `benchmarks/plan_cost.py --full-search` sets both False.
+#: docs/design.md#best-first-search). `benchmarks/plan_cost.py --full-search` sets both False,
+#: and `NO_RECOMPUTE_FIRST` too.
 BEST_FIRST_LOOPS = True
 BEST_FIRST_UNROLLED = False
 
@@ -236,10 +237,9 @@ def solve(
     # the recipe that may need no recompute: tried whenever the target is below the baseline
     # (not only where `_likely_below` guessed so), so that where the search ends does not
     # depend on the guess (byte budgets of sharded programs, a model an earlier search fitted)
-    first = None
+    eligible = verify and not best_first and offload is None and solver in BEST_FIRST_SOLVERS
+    first = mixing.most_saving_plan(prog) if NO_RECOMPUTE_FIRST and eligible else None
     try:
-        if NO_RECOMPUTE_FIRST and verify and not best_first and offload is None:
-            first = mixing.most_saving_plan(prog) if solver in BEST_FIRST_SOLVERS else None
         if (
             verify
             and not best_first
