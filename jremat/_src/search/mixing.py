@@ -116,8 +116,8 @@ def most_saving_plan(prog: Any) -> Plan | None:
     unit) of an unrolled program with more than one layer; None for any other program."""
     if loop_family(prog) is not None:
         return None
-    families = _families(prog)
-    return families[0][1]([UNIT_POLICIES[1]] * families[0][0]) if families else None
+    units = len(layer_segments(prog.graph))
+    return layer_mix_plan(prog.graph, [UNIT_POLICIES[1]] * units) if units > 1 else None
 
 
 def search(

@@ -62,7 +62,7 @@ TRUST = 0.25
 
 @dataclasses.dataclass
 class Search:
-    """The state of one best-first search (`run`)."""
+    """The state of one best-first search (`run` or `run_loops`)."""
 
     prog: Program
     planner: Any
