@@ -97,10 +97,10 @@ def _cell(name: str, budgets: list[float], plan_dir: str) -> list[dict]:
     spans: list[tuple[float, float]] = []  # (start, end) of each compile, from any thread
     real = xla.compile_jitted
 
-    def counted(jitted, args):
+    def counted(jitted, args, **kw):
         t0 = time.perf_counter()
         try:
-            return real(jitted, args)
+            return real(jitted, args, **kw)
         finally:
             spans.append((t0, time.perf_counter()))
 

@@ -34,9 +34,9 @@ def compiles(monkeypatch):
     real_compile_jitted = xla.compile_jitted
     real_lowered_compile = jax.stages.Lowered.compile
 
-    def compile_jitted(jitted, args):
+    def compile_jitted(jitted, args, **kw):
         counts.jremat += 1
-        return real_compile_jitted(jitted, args)
+        return real_compile_jitted(jitted, args, **kw)
 
     def lowered_compile(self, *a, **kw):
         counts.aot += 1
@@ -218,3 +218,56 @@ def test_twin_dots_recipes_share_a_compile_only_where_they_save_the_same():
     assert prog.compiles == 2
     assert (shared.temp_bytes, shared.flops) == (alone.temp_bytes, alone.flops)
     assert shared.flops > dots.flops  # it recomputes the convolutions dots_saveable keeps
+
+
+@pytest.fixture
+def compile_options(monkeypatch):
+    """The `compiler_options` of every `Lowered.compile` call, in order (None: the default)."""
+    seen: list[dict | None] = []
+    real = jax.stages.Lowered.compile
+
+    def recorded(self, *a, compiler_options=None, **kw):
+        seen.append(compiler_options)
+        return real(self, *a, compiler_options=compiler_options, **kw)
+
+    monkeypatch.setattr(jax.stages.Lowered, "compile", recorded)
+    return seen
+
+
+@pytest.mark.parametrize("recipe", ["nothing_saveable", "dots_with_no_batch_dims_saveable"])
+def test_a_figures_only_compile_has_the_figures_of_the_default_compile(recipe, compile_options):
+    """On CPU a program compiled only for its figures gets LLVM at -O0
+    (`xla.FIGURES_ONLY_OPTIONS`): the same memory and cost figures as the default compile of
+    the same rematerialized step (per-layer recipe, tied recompute on jax 0.10)."""
+    from jremat._src.plan.recipes import recipe_plan
+
+    assert jax.default_backend() == "cpu"
+    loss, params, x = _mlp(depth=3, batch=128)
+    prog = Program(loss, (params, x), 0)
+    f = prog.objective.step_fn(prog, recipe_plan(prog.graph, recipe))
+    jitted = jax.jit(xla.step_grad(f, (0,)))
+    default = xla.compile_jitted(jitted, (params, x))
+    cheap = xla.compile_jitted(jitted, (params, x), figures_only=True)
+    assert compile_options == [None, xla.FIGURES_ONLY_OPTIONS["cpu"]]
+    assert xla.MemoryFigures.of(cheap) == xla.MemoryFigures.of(default)
+    assert xla.xla_flops(cheap) == xla.xla_flops(default) > 0
+
+
+def test_a_plan_compiled_for_its_figures_is_compiled_again_to_run(compile_options):
+    """`Program.compile` compiles for the figures only; `Program.step`, whose executable
+    `jremat.compare` runs and times, compiles the plan again with the default options, once,
+    and reports the figures of that compile (the same figures)."""
+    from jremat._src.plan.recipes import recipe_plan
+
+    loss, params, x = _mlp(depth=2)
+    prog = Program(loss, (params, x), 0)
+    plan = recipe_plan(prog.graph, "nothing_saveable")
+    figures = prog.compile(plan)
+    assert compile_options == [xla.FIGURES_ONLY_OPTIONS["cpu"]]
+    c, exe, seconds = prog.step(plan)
+    assert compile_options[1:] == [None] and seconds > 0
+    assert c == figures and prog.compiles == 1
+    loss_value, grads = exe(params, x)
+    chex.assert_trees_all_close(grads, jax.grad(loss)(params, x), rtol=1e-5, atol=1e-6)
+    assert prog.step(plan)[1] is exe and prog.compile(plan) == c  # memoized, not recompiled
+    assert len(compile_options) == 2

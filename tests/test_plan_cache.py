@@ -317,9 +317,9 @@ import jax, jremat
 from jremat._src.compile import xla
 count = {"n": 0}
 real = xla.compile_jitted
-def counted(jitted, args):
+def counted(jitted, args, **kw):
     count["n"] += 1
-    return real(jitted, args)
+    return real(jitted, args, **kw)
 xla.compile_jitted = counted
 try:
     f = jremat.auto(loss, budget=0.7, solver="chain")

@@ -149,6 +149,7 @@ class Program:
         self.has_scan = has_scan(self.graph)
         self._planners: dict = {}
         self._steps: dict[str, tuple[Compiled, Any, float]] = {}
+        self._runnable: set[str] = set()  # keys of `_steps` compiled to run (`step`)
         self._grad_temps: dict[str, int] = {}
         self.tried: list[tuple[Plan, Compiled]] = []  # every plan compiled on this program
         self._anchors: dict = {}
@@ -182,17 +183,29 @@ class Program:
     def compile(self, plan: Plan | None) -> Compiled:
         """The objective's figures under `plan` (None: no remat); by default the compiled temp
         bytes and FLOPs of one training step. Memoized per plan structure: the same segments
-        and saves compile once."""
-        return self.step(plan)[0]
-
-    def step(self, plan: Plan | None) -> tuple[Compiled, Any, float]:
-        """(figures, executable, compile seconds) of `jit(value_and_grad)` of the objective's
-        function under `plan`, compiled once per plan structure; every compiled plan is also
-        listed in `tried`."""
+        and saves compile once (for their figures only: `xla.compile_jitted`)."""
         key = self.program_key(plan)
         with self._lock:
             found = self._steps.get(key)
-        return found if found is not None else self._store(plan, self._compile_step(plan))
+        return (found or self._store(plan, self._compile_step(plan)))[0]
+
+    def step(self, plan: Plan | None) -> tuple[Compiled, Any, float]:
+        """(figures, executable, compile seconds) of `jit(value_and_grad)` of the objective's
+        function under `plan`, compiled once per plan structure to run (a plan `compile`
+        compiled for its figures only is compiled again, with the default options; figures
+        from that compile); every compiled plan is also listed in `tried`."""
+        key = self.program_key(plan)
+        with self._lock:
+            found = self._steps.get(key)
+        if found is not None and key in self._runnable:
+            return found
+        step = self._compile_step(plan, figures_only=False)
+        with self._lock:
+            self._runnable.add(key)
+            if found is not None:  # figures of the program that runs
+                self._steps[key] = step
+                return step
+        return self._store(plan, step)
 
     def compile_many(self, plans: Sequence[Plan | None]) -> list[Compiled]:
         """`compile` of each plan; those not compiled yet are compiled in parallel threads
@@ -217,10 +230,12 @@ class Program:
                     self._store(p, step)  # in `plans` order: deterministic `tried`
         return [self.compile(p) for p in plans]
 
-    def _compile_step(self, plan: Plan | None) -> tuple[Compiled, Any, float]:
+    def _compile_step(
+        self, plan: Plan | None, figures_only: bool = True
+    ) -> tuple[Compiled, Any, float]:
         f = self.objective.step_fn(self, plan)
         t0 = time.perf_counter()
-        exe, flops = self.compile_fn(f, scan_flops=self.has_scan)
+        exe, flops = self.compile_fn(f, scan_flops=self.has_scan, figures_only=figures_only)
         seconds = time.perf_counter() - t0
         compiled = self.objective.figures(self, MemoryFigures.of(exe), flops)
         if offloads(plan) and not host_offload_effective():
@@ -271,7 +286,9 @@ class Program:
             found = self._grad_temps.get(key)
         if found is None:
             f = self.objective.step_fn(self, plan)
-            exe = compile_step(f, self.args, self.nums, self.has_aux, value=False)
+            exe = compile_step(
+                f, self.args, self.nums, self.has_aux, value=False, figures_only=True
+            )
             found = MemoryFigures.of(exe).temp_bytes
             with self._lock:
                 self._grad_temps[key] = found
@@ -295,10 +312,12 @@ class Program:
             ahead.result()
         return compiled
 
-    def compile_fn(self, f: Callable[..., Any], *, scan_flops: bool = True) -> tuple[Any, float]:
+    def compile_fn(
+        self, f: Callable[..., Any], *, scan_flops: bool = True, figures_only: bool = True
+    ) -> tuple[Any, float]:
         """(executable, FLOPs) of `jit(value_and_grad(f))` at this program's arguments and
-        argnums, inside a `shard_map` body under its mesh axes (`compile_figures`). Not
-        memoized: `step` memoizes plans."""
+        argnums, inside a `shard_map` body under its mesh axes (`compile_figures`; by default
+        for its figures only). Not memoized: `step` memoizes plans."""
         return compile_figures(
             f,
             self.args,
@@ -306,6 +325,7 @@ class Program:
             manual_axes=self.manual_axes,
             scan_flops=scan_flops,
             has_aux=self.has_aux,
+            figures_only=figures_only,
         )
 
     @property

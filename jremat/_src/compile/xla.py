@@ -15,12 +15,37 @@ from jremat._src.base import compat as _compat
 from jremat._src.base import sharding
 from jremat._src.trace import cost_model
 
+#: XLA compiler options, by platform, for a program compiled only to read its figures
+#: (`compile_jitted(..., figures_only=True)`): options that change no HLO pass, so that
+#: `memory_analysis()` and `cost_analysis()` are those of the default compile, only the code
+#: generated is slower. CPU: LLVM at -O0 (the HLO passes, buffer assignment and schedule run
+#: before code generation): about 0.57 of the compile seconds, the same figures on every zoo model
+#: (docs/design.md#figures-only-compiles). None on other platforms (not measured: GPU
+#: autotuning, for one, changes a program's workspace bytes).
+FIGURES_ONLY_OPTIONS: dict[str, dict[str, Any]] = {
+    "cpu": {"xla_backend_optimization_level": 0},
+}
 
-def compile_jitted(jitted: Any, args: Sequence[Any]) -> Any:
+
+def compile_jitted(jitted: Any, args: Sequence[Any], *, figures_only: bool = False) -> Any:
     """`jitted.lower(*args).compile()`: the one call through which jremat reaches XLA's
     compiler (training steps, scan bodies, `jremat.measure`, `jremat.plan_training`). Call it
-    as `xla.compile_jitted` (module attribute) so that one patch sees every compile."""
-    return jitted.lower(*args).compile()
+    as `xla.compile_jitted` (module attribute) so that one patch sees every compile.
+
+    With `figures_only` (the executable is read for its memory and cost figures, never run)
+    it compiles under the platform's `FIGURES_ONLY_OPTIONS`: the same figures, sooner."""
+    lowered = jitted.lower(*args)
+    options = FIGURES_ONLY_OPTIONS.get(_platform(args)) if figures_only else None
+    return lowered.compile(compiler_options=dict(options)) if options else lowered.compile()
+
+
+def _platform(args: Sequence[Any]) -> str:
+    """The platform `args` compile for: that of their mesh's devices, else the default."""
+    try:  # an AbstractMesh has no devices
+        devices = sharding.arg_mesh(jax.tree_util.tree_leaves(args)).devices
+        return str(devices.flat[0].platform)
+    except (AttributeError, IndexError):  # no mesh, or one without devices
+        return jax.default_backend()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,11 +89,14 @@ def compile_step(
     argnums: tuple[int, ...],
     has_aux: bool = False,
     value: bool = True,
+    figures_only: bool = False,
 ) -> Any:
     """Lower and compile `jit(value_and_grad(fn, argnums, has_aux))` (`jit(grad(...))` when
     not `value`) for `args` (arrays or avals, whose shardings it compiles under:
-    `memory_analysis()` is then per device)."""
-    return compile_jitted(jax.jit(step_grad(fn, argnums, has_aux, value)), args)
+    `memory_analysis()` is then per device); `figures_only` as in `compile_jitted`."""
+    return compile_jitted(
+        jax.jit(step_grad(fn, argnums, has_aux, value)), args, figures_only=figures_only
+    )
 
 
 def step_grad(
@@ -119,8 +147,10 @@ def compile_figures(
     manual_axes: dict[str, int] | None = None,
     scan_flops: bool = True,
     has_aux: bool = False,
+    figures_only: bool = False,
 ) -> tuple[Any, float]:
-    """`compile_step` and its FLOPs (scan bodies counted once per trip, when `scan_flops`).
+    """`compile_step` (`figures_only` as in `compile_jitted`) and its FLOPs (scan bodies
+    counted once per trip, when `scan_flops`).
 
     With `manual_axes` ({name: size}, `base.sharding.manual_axes()` inside a `shard_map`
     body) the per-device program is compiled in a helper thread, outside the body's trace,
@@ -132,12 +162,13 @@ def compile_figures(
     """
 
     def run(f: Callable[..., Any], a: Sequence[Any], spmd: bool) -> tuple[Any, float]:
-        exe = compile_step(f, a, argnums, has_aux)
+        exe = compile_step(f, a, argnums, has_aux, figures_only=figures_only)
         flops = step_flops(exe, f, a, argnums, scan_flops=scan_flops, spmd=spmd, has_aux=has_aux)
         if not spmd:  # a shard_map body: also the step that drops the loss
-            alone = compile_step(f, a, argnums, has_aux, value=False)
+            alone = compile_step(f, a, argnums, has_aux, value=False, figures_only=True)
             if MemoryFigures.of(alone).temp_bytes > MemoryFigures.of(exe).temp_bytes:
-                exe = alone  # its memory figures; the FLOPs stay those of the whole step
+                # its memory figures (a body's step is never run); the FLOPs stay the step's
+                exe = alone
         return exe, flops
 
     if not manual_axes:
@@ -246,7 +277,7 @@ def _compiled_body_flops(body: Any) -> float:
     jaxpr, consts = _compat.closed(body)
     closed_body = body if consts or hasattr(body, "consts") else jc.ClosedJaxpr(jaxpr, [])
     avals = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in jaxpr.invars]
-    return xla_flops(compile_jitted(jax.jit(jaxpr_as_fun(closed_body)), avals))
+    return xla_flops(compile_jitted(jax.jit(jaxpr_as_fun(closed_body)), avals, figures_only=True))
 
 
 def outside_trace(thunk: Callable[[], Any]) -> Any:

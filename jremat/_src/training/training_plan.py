@@ -157,7 +157,7 @@ def _step(vg: Callable[..., Any], optimizer: Any):
 def _measure(vg, optimizer, args: Sequence[Any]) -> tuple[int, int, float]:
     """(footprint bytes, temp bytes, flops) of the compiled train step."""
     jitted, raw = _step(vg, optimizer)
-    compiled = xla.compile_jitted(jitted, args)
+    compiled = xla.compile_jitted(jitted, args, figures_only=True)  # never run
     mem = xla.MemoryFigures.of(compiled)
     # XLA counts a loop body once; add (trips - 1) bodies for every scan (the microbatch loop
     # and any scan inside the loss).
