@@ -268,25 +268,31 @@ def _segment_runner(
     )
     runners = graph.memo.setdefault("segment_runners", {})
     if key not in runners:
-        nodes = graph.nodes[seg.start : seg.end]
-        live_in, live_out = segment_io(graph, seg)
-        tag = (
-            {v: residual_name(v) for v in [*seg.saved, *seg.offloaded]}
-            if seg.policy == SAVE_NAMES
-            else {}
-        )
-
-        def seg_fn(*ins):
-            local = dict(zip(live_in, ins, strict=True))
-            _eval_nodes(nodes, local, tag, inside)
-            return [local[o] for o in live_out]
-
+        live_in, live_out, seg_fn = _segment_fn(graph, seg, inside)
         if _compat.TIED_RECOMPUTE:
             run = tied_checkpoint(seg_fn, segment_policy(seg), prevent_cse)
         else:
             run = jax.checkpoint(seg_fn, policy=segment_policy(seg), prevent_cse=prevent_cse)
         runners[key] = (live_in, live_out, run)
     return runners[key]
+
+
+def _segment_fn(
+    graph: Graph, seg: Segment, scans: dict[str, ScanSetting]
+) -> tuple[list[int], list[int], Callable[..., Any]]:
+    """(live-in ids, live-out ids, the segment as a function of its live-in values), its
+    saved and offloaded values named (`residual_name`) where its policy is `"names"`."""
+    nodes = graph.nodes[seg.start : seg.end]
+    live_in, live_out = segment_io(graph, seg)
+    named = [*seg.saved, *seg.offloaded] if seg.policy == SAVE_NAMES else []
+    tag = {v: residual_name(v) for v in named}
+
+    def seg_fn(*ins):
+        local = dict(zip(live_in, ins, strict=True))
+        _eval_nodes(nodes, local, tag, scans)
+        return [local[o] for o in live_out]
+
+    return live_in, live_out, seg_fn
 
 
 def drop_unkept_names(graph: Graph, plan: Plan) -> Plan:
@@ -307,20 +313,14 @@ def drop_unkept_names(graph: Graph, plan: Plan) -> Plan:
     for seg in plan.segments:
         if seg.policy != SAVE_NAMES or not (seg.saved or seg.offloaded):
             continue
-        live_in, live_out = segment_io(graph, seg)
-        nodes = graph.nodes[seg.start : seg.end]
-        tag = {v: residual_name(v) for v in [*seg.saved, *seg.offloaded]}
-
-        def seg_fn(*ins, nodes=nodes, live_in=live_in, live_out=live_out, tag=tag):
-            local = dict(zip(live_in, ins, strict=True))
-            _eval_nodes(nodes, local, tag, plan.scans)
-            return [local[o] for o in live_out]
-
+        live_in, _, seg_fn = _segment_fn(graph, seg, plan.scans)
         avals = [
             jax.ShapeDtypeStruct(graph.values[v].shape, graph.values[v].dtype) for v in live_in
         ]
         diff = [v in tangent and graph.values[v].is_float for v in live_in]
-        policy = jax.checkpoint_policies.save_only_these_names(*tag.values())
+        # every name saved (offloaded ones too): which of them the backward pass reads
+        names = [residual_name(v) for v in [*seg.saved, *seg.offloaded]]
+        policy = jax.checkpoint_policies.save_only_these_names(*names)
         try:
             kept = _compat.residual_names(jax.checkpoint(seg_fn, policy=policy), avals, diff)
         except Exception:  # noqa: BLE001 - e.g. a collective over an unbound axis: names kept
