@@ -273,3 +273,25 @@ def test_a_plan_compiled_for_its_figures_is_compiled_again_to_run(compile_option
     chex.assert_trees_all_close(grads, jax.grad(loss)(params, x), rtol=1e-5, atol=1e-6)
     assert prog.step(plan)[1] is exe and prog.compile(plan) == c  # memoized, not recompiled
     assert len(compile_options) == 2
+
+
+def test_a_figures_only_compile_of_arguments_sharded_over_an_abstract_mesh():
+    """Arguments whose sharding names an `AbstractMesh` (ShapeDtypeStructs under
+    `jax.set_mesh`, as `jremat.plan_training` keeps them) compile for their figures on the
+    default platform: an AbstractMesh has no devices to read the platform from (its `devices`
+    raises ValueError), and the figures are those of the same step on the concrete mesh."""
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    mesh = jax.make_mesh((1,), ("data",), axis_types=(jax.sharding.AxisType.Explicit,))
+    loss, params, x = _mlp(depth=1, batch=16)
+    jitted = jax.jit(xla.step_grad(loss, (0,)))
+
+    def sharded(m):
+        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(m, P("data")))
+
+    with jax.set_mesh(mesh):
+        cheap = xla.compile_jitted(jitted, (params, sharded(mesh.abstract_mesh)), figures_only=True)
+        concrete = xla.compile_jitted(jitted, (params, sharded(mesh)), figures_only=True)
+    assert xla.MemoryFigures.of(cheap) == xla.MemoryFigures.of(concrete)
+    assert xla.xla_flops(cheap) == xla.xla_flops(concrete) > 0

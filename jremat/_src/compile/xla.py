@@ -41,10 +41,12 @@ def compile_jitted(jitted: Any, args: Sequence[Any], *, figures_only: bool = Fal
 
 def _platform(args: Sequence[Any]) -> str:
     """The platform `args` compile for: that of their mesh's devices, else the default."""
-    try:  # an AbstractMesh has no devices
+    try:
         devices = sharding.arg_mesh(jax.tree_util.tree_leaves(args)).devices
         return str(devices.flat[0].platform)
-    except (AttributeError, IndexError):  # no mesh, or one without devices
+    # no mesh (None has no devices), an AbstractMesh (its `devices` raises ValueError: under
+    # `jax.set_mesh` such arguments compile), or a mesh without devices
+    except (AttributeError, IndexError, ValueError):
         return jax.default_backend()
 
 
