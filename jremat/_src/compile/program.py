@@ -202,7 +202,7 @@ class Program:
         step = self._compile_step(plan, figures_only=False)
         with self._lock:
             self._runnable.add(key)
-            if found is not None:  # figures of the program that runs
+            if key in self._steps:  # compiled for its figures meanwhile too: this one runs
                 self._steps[key] = step
                 return step
         return self._store(plan, step)
