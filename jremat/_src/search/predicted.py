@@ -279,23 +279,16 @@ def run_loops(
             break
         mixes_missed += 1
         aim -= c.temp_bytes - expected  # the interpolation missed by this much
-    gap = (fit[2] - before[2]) / max(base.flops, 1.0)
-    if mixes_missed and not mix_fits and gap >= HAND_OVER_GAP:
-        # every mix compiled over the target: the loop's temp is far from linear in the split,
-        # and the pure policy left room under the target that the full search's mixes and
-        # nested settings may use (a 7-layer reverse scan at 0.6: 16.6% extra FLOPs here,
-        # 12.0% from the full search)
+    if mixes_missed and not mix_fits:
+        # every mix compiled over the target: the loop's temp is far from linear in the split;
+        # the full search's mixes and nested settings may use the room the pure policy left,
+        # where that policy recomputes enough more than the one before it (`HAND_OVER_GAP`)
+        gap = (fit[2] - before[2]) / max(base.flops, 1.0)
+        s.trusted = gap < HAND_OVER_GAP
         s.log.append(
-            f"{mixes_missed} loop mixes compiled over the target, and {fit[0]} recomputes "
-            f"{gap:.1%} of the unrematerialized FLOPs more than {before[0]}: the full search "
-            "follows"
-        )
-        s.trusted = False
-    elif mixes_missed and not mix_fits:
-        s.log.append(
-            f"{mixes_missed} loop mixes compiled over the target; {fit[0]} recomputes only "
-            f"{gap:.1%} of the unrematerialized FLOPs more than {before[0]}, so the full "
-            "search is not run"
+            f"{mixes_missed} loop mixes compiled over the target; {fit[0]} recomputes "
+            f"{gap:.1%} of the unrematerialized FLOPs more than {before[0]}: "
+            + ("the full search is not run" if s.trusted else "the full search follows")
         )
     return s
 
