@@ -202,8 +202,8 @@ def _count_baseline_flops_for(recipe, flops: float, monkeypatch) -> None:
 
     real_step = Program._compile_step
 
-    def step(self, plan):
-        c, exe, seconds = real_step(self, plan)
+    def step(self, plan, *args, **kwargs):  # `figures_only` passes through
+        c, exe, seconds = real_step(self, plan, *args, **kwargs)
         if plan is not None and plan.solver == recipe.solver:
             c = dataclasses.replace(c, flops=flops)
         return c, exe, seconds
