@@ -15,6 +15,10 @@ from jremat._src.trace.layers import layer_segments
 #: Options from the least memory to the most; the greedy moves segments up this ladder.
 LADDER = ("nothing", "offload_dots", "dots_no_batch", "expensive", "dots", KEEP_OPTION)
 
+#: Relative difference under which two FLOPs-per-byte ratios are a tie (the earlier segment
+#: wins): float rounding, not the model, must not decide between identical layers.
+RATIO_TIE = 1e-9
+
 
 def _segments(model: SegmentModel) -> list[tuple[int, int]]:
     """The segmentation the knapsack runs on, as cut-index pairs: the layers when every layer
@@ -63,7 +67,10 @@ def choose(model: SegmentModel, model_budget: float) -> Segments | None:
                 if new_peak > model_budget:
                     continue
                 ratio = saved_flops / max(new_peak - current, 1.0)
-                if ratio > best_ratio:
+                # ratios equal but for rounding (identical layers, whose running sums round
+                # differently by position) keep the earlier segment: the choice must not turn
+                # on the last bit, which differs between tables built with other options
+                if ratio > best_ratio * (1 + RATIO_TIE):
                     best, best_ratio = trial, ratio
         if best is None:
             break
