@@ -182,3 +182,73 @@ def test_a_backend_that_counts_no_flops_gets_the_cost_models(monkeypatch):
     assert jremat.measure(loss, x).flops == cost_model.jaxpr_flops(step) > 16 * x.size
     body = next(e for e in step.eqns if e.primitive.name == "scan").params["jaxpr"]
     assert xla._body_flops(body, {}) == cost_model.jaxpr_flops(body) > 0
+
+
+# -- loop bodies once per trip, read from the optimized HLO -----------------------------------
+def _count_compiles(monkeypatch) -> list[int]:
+    from jremat._src.compile import xla
+
+    calls: list[int] = []
+    real = xla.compile_jitted
+
+    def counted(jitted, args, **kw):
+        calls.append(1)
+        return real(jitted, args, **kw)
+
+    monkeypatch.setattr(xla, "compile_jitted", counted)
+    return calls
+
+
+def test_loop_flops_are_read_from_the_compiled_program_without_compiling_bodies(monkeypatch):
+    """A scan's missing trips are costed on the program's own optimized HLO (XLA's cost
+    analysis of each loop body as it runs): one compile per measure, where each scan body
+    used to compile on its own, and the same figure as that body-by-body count to 1%."""
+    from jremat._src.compile import loop_flops, xla
+
+    scan = M.scan_layers(depth=4)
+    exe = compile_step(scan.loss, scan.args, (0,))
+    reported = xla_flops(exe)
+    from_hlo = loop_flops.loop_flops_correction(exe, reported)
+    by_bodies = xla.scan_flops_correction(scan.loss, scan.args, (0,))
+    assert from_hlo is not None and from_hlo > reported  # 3 more trips of fwd and bwd bodies
+    assert from_hlo == pytest.approx(by_bodies, rel=0.01)
+    calls = _count_compiles(monkeypatch)
+    assert jremat.measure(scan.loss, *scan.args).flops == reported + from_hlo
+    assert len(calls) == 1
+
+
+def test_loop_flops_of_a_transcendental_body_count_every_trip():
+    """sin(tanh(c)) over 4 trips: XLA counts one trip of the loop's 2 transcendentals per
+    element (and the add of its trip counter); the HLO path adds the other 3 trips."""
+    from jremat._src.compile import loop_flops
+
+    x = X_TRANSCENDENTAL
+    exe = jax.jit(_transcendental_scan()).lower(x).compile()  # forward only: one loop
+    reported = xla_flops(exe)
+    extra = loop_flops.loop_flops_correction(exe, reported)
+    assert extra == 3 * (2 * x.size + 1)
+
+
+def test_a_loop_without_a_known_trip_count_falls_back_to_the_scan_bodies():
+    """A `while_loop` whose trip count depends on data has no `known_trip_count`: the HLO
+    path gives None and `measure` counts its scans body by body, as before."""
+    from jremat._src.compile import loop_flops
+
+    def loss(x):
+        n = jnp.int32(jnp.abs(x[0, 0]) * 0 + 3)
+        y = jax.lax.while_loop(lambda s: s[0] < n, lambda s: (s[0] + 1, jnp.tanh(s[1])), (0, x))
+        return jnp.mean(jax.lax.stop_gradient(y[1]) * x)
+
+    x = X_TRANSCENDENTAL
+    exe = jax.jit(loss).lower(x).compile()
+    assert loop_flops.loop_flops_correction(exe, xla_flops(exe)) is None
+    assert jremat.measure(loss, x).flops > 0
+
+
+def test_a_figure_that_xla_does_not_reproduce_is_not_used():
+    """The re-read module must cost what XLA reported for the executable, else None."""
+    from jremat._src.compile import loop_flops
+
+    scan = M.scan_layers(depth=4)
+    exe = compile_step(scan.loss, scan.args, (0,))
+    assert loop_flops.loop_flops_correction(exe, xla_flops(exe) + 1.0) is None

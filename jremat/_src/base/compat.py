@@ -302,3 +302,18 @@ def residual_names(fn: Any, avals: Sequence[Any], diff: Sequence[bool]) -> set[s
     jaxpr = jaxpr.replace(outvars=jaxpr.outvars[len(jaxpr.outvars) - n_res :])
     found = _saved_residuals(jaxpr, [""] * len(jaxpr.invars))
     return {d.split("'")[1] for _, d in found if d.startswith("named '")}
+
+
+def hlo_text_flops(text: str, executable: Any) -> float | None:
+    """XLA's cost analysis ("flops" + "transcendentals") of the HLO module `text` (optimized
+    HLO, as `Compiled.as_text()` prints it) on the platform of `executable` (a
+    `jax.stages.Compiled`), without compiling it; None where this jaxlib cannot parse or cost
+    a module (jaxlib's private `_hlo.hlo_module_from_text` and `hlo_module_cost_analysis`)."""
+    try:
+        from jax._src.lib import _jax, hlo
+
+        module = hlo.hlo_module_from_text(text)
+        cost = _jax.hlo_module_cost_analysis(executable.runtime_executable().client, module)
+    except Exception:  # noqa: BLE001 - another jaxlib, backend or HLO dialect: not readable
+        return None
+    return float(cost.get("flops", 0.0)) + float(cost.get("transcendentals", 0.0))

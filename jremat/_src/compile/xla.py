@@ -1,6 +1,6 @@
 """Where jremat meets XLA: the one compile call (`compile_jitted`), the memory figures of a
-compiled program (`MemoryFigures`), and the FLOPs of a compiled training step (scan bodies
-counted once per trip). What the figures mean: docs/design.md#measuring."""
+compiled program (`MemoryFigures`), and the FLOPs of a compiled training step (loop bodies
+counted once per trip: `loop_flops`). What the figures mean: docs/design.md#measuring."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ import jax
 
 from jremat._src.base import compat as _compat
 from jremat._src.base import sharding
+from jremat._src.compile.loop_flops import loop_flops_correction
 from jremat._src.trace import cost_model
 
 #: XLA compiler options, by platform, for a program compiled only to read its figures
@@ -123,11 +124,14 @@ def step_flops(
     has_aux: bool = False,
 ) -> float:
     """FLOPs of `compile_step(fn, args, argnums)`'s `executable`: XLA's count plus, when
-    `scan_flops`, every scan body once more per extra trip (`scan_flops_correction`).
+    `scan_flops`, every loop body once more per extra trip: read from the executable's
+    optimized HLO (`loop_flops.loop_flops_correction`, per device), else, where a loop there
+    has no known trip count, each scan body of the step's jaxpr compiled on its own
+    (`scan_flops_correction`).
 
-    Under sharded jit (`spmd`) the bodies are costed on global shapes: a device's share is
-    1/devices of them (data and tensor parallelism split a body's work evenly); a
-    `shard_map` body's scans (`spmd=False`) already have per-device shapes.
+    On that second path, under sharded jit (`spmd`) the bodies are costed on global shapes: a
+    device's share is 1/devices of them (data and tensor parallelism split a body's work
+    evenly); a `shard_map` body's scans (`spmd=False`) already have per-device shapes.
     """
     flops = xla_flops(executable)
     if not flops:  # a backend that counts nothing: jremat's own table on the step's jaxpr
@@ -136,8 +140,11 @@ def step_flops(
             _num_devices(executable) if spmd else 1
         )
     if scan_flops:
-        extra = scan_flops_correction(fn, args, argnums, has_aux)
-        flops += extra / _num_devices(executable) if spmd else extra
+        extra = loop_flops_correction(executable, flops)  # per device, from the optimized HLO
+        if extra is None:  # not readable there: each scan body compiled on its own
+            extra = scan_flops_correction(fn, args, argnums, has_aux)
+            extra = extra / _num_devices(executable) if spmd else extra
+        flops += extra
     return flops
 
 

@@ -23,6 +23,7 @@ from jremat._src.base.args import abstract_args, check_flag, check_scalar_output
 from jremat._src.base.budget import parse_budget
 from jremat._src.base.errors import InfeasibleBudgetError
 from jremat._src.compile import xla
+from jremat._src.compile.loop_flops import loop_flops_correction
 from jremat._src.compile.program import Program
 from jremat._src.plan.plan import Plan, plan_key
 from jremat._src.plan.rewrite import rematerialize
@@ -159,10 +160,14 @@ def _measure(vg, optimizer, args: Sequence[Any]) -> tuple[int, int, float]:
     jitted, raw = _step(vg, optimizer)
     compiled = xla.compile_jitted(jitted, args, figures_only=True)  # never run
     mem = xla.MemoryFigures.of(compiled)
-    # XLA counts a loop body once; add (trips - 1) bodies for every scan (the microbatch loop
-    # and any scan inside the loss).
-    jaxpr = jax.make_jaxpr(raw if raw is not None else vg)(*args)
-    flops = xla.xla_flops(compiled) + xla.jaxpr_scan_correction(_compat.closed(jaxpr)[0], {})
+    # XLA counts a loop body once; add (trips - 1) bodies for every loop (the microbatch loop
+    # and any scan inside the loss): from the optimized HLO, else each scan body compiled
+    flops = xla.xla_flops(compiled)
+    extra = loop_flops_correction(compiled, flops)
+    if extra is None:
+        jaxpr = jax.make_jaxpr(raw if raw is not None else vg)(*args)
+        extra = xla.jaxpr_scan_correction(_compat.closed(jaxpr)[0], {})
+    flops += extra
     return mem.footprint_bytes, mem.temp_bytes, flops
 
 
