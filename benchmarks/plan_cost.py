@@ -16,6 +16,10 @@ Per cell (a model at a budget) in a fresh process per model:
   and the compile and first run of what runs) over the plain `jit(value_and_grad(loss))`
   first call (compile and first run), measured first in the same process;
 * `warm`: the same ratio in a new process whose plan cache (`plan_dir=`) holds the plan;
+* `floor`: the warm first call plus the compiles that verify the plan once it is known (the
+  unrematerialized step, the plan's step and its `jit(grad)` step, for their figures, in
+  parallel threads), over the plain first call: what a search that compiled nothing but its
+  answer would cost;
 * `extra FLOPs`: the plan's compiled FLOPs (`Plan.measured_flops`) over the unrematerialized
   program's (`jremat.measure`), minus 1; `fits`: its compiled temp bytes
   (`Plan.measured_temp_bytes`) meet the budget.
@@ -172,15 +176,39 @@ def _warm(name: str, budgets: list[float], plan_dir: str) -> list[dict]:
             seconds = first_call(wrapped)
         except jremat.InfeasibleBudgetError:
             continue
+        (p,) = wrapped.plans.values()
         rows.append(
             {
                 "model": name,
                 "budget": b,
                 "warm_ratio": seconds / plain,
+                "floor_ratio": (seconds + _verify_seconds(loss, params, batch, p)) / plain,
                 "loads": wrapped.plan_cache.loads,
             }
         )
     return rows
+
+
+def _verify_seconds(loss, params, batch, plan) -> float:
+    """Wall seconds of the compiles that verify a known plan at a fractional budget: the
+    unrematerialized step (the budget's reference), the plan's step and its `jit(grad)` step,
+    as the search compiles them (for their figures only, scan bodies' FLOPs included), on a
+    fresh `Program`, all at once in `COMPILE_THREADS` threads. A first call that knew its plan
+    would cost the warm first call plus these: the floor of a verified plan, whatever the
+    search (`floor_ratio`)."""
+    import concurrent.futures
+
+    from jremat._src.compile.program import COMPILE_THREADS, Program
+
+    prog = Program(loss, (params, batch), 0)
+    tasks = [lambda: prog.compile(None)]
+    if not plan.is_identity:
+        tasks += [lambda: prog.compile(plan), lambda: prog.grad_step_temp(plan)]
+    t0 = time.perf_counter()
+    with concurrent.futures.ThreadPoolExecutor(min(len(tasks), COMPILE_THREADS)) as pool:
+        for f in [pool.submit(t) for t in tasks]:
+            f.result()
+    return time.perf_counter() - t0
 
 
 DEPTH_MODELS = tuple(f"{kind}:{n}" for kind in ("gpt2", "scan") for n in (6, 12, 24, 48))
@@ -243,28 +271,34 @@ def _child(mode: str, name: str, budgets: list[float], plan_dir: str) -> list[di
 
 def table(rows: list[dict]) -> str:
     lines = [
-        "| model | budget | compiles | compile s | other s | ratio | warm ratio | extra FLOPs "
-        "| fits |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| model | budget | compiles | compile s | other s | ratio | warm ratio | floor ratio "
+        "| extra FLOPs | fits |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         if "infeasible" in r:
-            lines.append(f"| {r['model']} | {r['budget']} | infeasible | | | | | | |")
+            lines.append(f"| {r['model']} | {r['budget']} | infeasible | | | | | | | |")
             continue
         warm = f"{r['warm_ratio']:.2f}" if "warm_ratio" in r else "-"
+        floor = f"{r['floor_ratio']:.2f}" if "floor_ratio" in r else "-"
         lines.append(
             f"| {r['model']} | {r['budget']} | {r['compiles']} | {r['compile_s']:.1f} | "
-            f"{r['other_s']:.1f} | {r['ratio']:.1f} | {warm} | {100 * r['extra_flops']:.1f}% "
+            f"{r['other_s']:.1f} | {r['ratio']:.1f} | {warm} | {floor} | "
+            f"{100 * r['extra_flops']:.2f}% "
             f"| {'yes' if r['fits'] else 'NO'} |"
         )
     ratios = [r["ratio"] for r in rows if "ratio" in r]
     warms = [r["warm_ratio"] for r in rows if "warm_ratio" in r]
+    floors = [r["floor_ratio"] for r in rows if "floor_ratio" in r]
     if ratios:
         gm = math.exp(sum(map(math.log, ratios)) / len(ratios))
         lines.append(f"\ngeometric mean of auto's first call / plain first call: {gm:.2f}")
     if warms:
         gm = math.exp(sum(map(math.log, warms)) / len(warms))
         lines.append(f"geometric mean with a warm plan cache (new process): {gm:.2f}")
+    if floors:
+        gm = math.exp(sum(map(math.log, floors)) / len(floors))
+        lines.append(f"geometric mean of the floor (the plan known, only verified): {gm:.2f}")
     return "\n".join(lines)
 
 
@@ -311,6 +345,7 @@ def main() -> None:
         for r in cold:
             if r["budget"] in warm:
                 r["warm_ratio"] = warm[r["budget"]]["warm_ratio"]
+                r["floor_ratio"] = warm[r["budget"]]["floor_ratio"]
             rows.append(r)
             print(json.dumps(r), flush=True)
     print(table(rows))
