@@ -252,3 +252,38 @@ def test_a_figure_that_xla_does_not_reproduce_is_not_used():
     scan = M.scan_layers(depth=4)
     exe = compile_step(scan.loss, scan.args, (0,))
     assert loop_flops.loop_flops_correction(exe, xla_flops(exe) + 1.0) is None
+
+
+def test_loops_in_conditional_branches_count_the_costliest_branch_only():
+    """XLA costs a conditional as its costliest branch: with a 6-trip scan in one branch and
+    4 unrolled layers in the other, the figure is the scan branch's, not both added (the
+    breaker's case: 9 layers counted where at most 6 run)."""
+    from jremat._src.compile import loop_flops
+
+    w, x = jnp.ones((64, 64)) * 0.01, jnp.ones((8, 64))
+
+    def layer(h):
+        return jnp.tanh(h @ w)
+
+    def scan(h, n):
+        return jax.lax.scan(lambda h, _: (layer(h), None), h, None, length=n)[0]
+
+    def unrolled(h, n):
+        for _ in range(n):
+            h = layer(h)
+        return h
+
+    def total(f):
+        exe = jax.jit(f).lower(x, 1.0).compile()
+        reported = xla_flops(exe)
+        return reported + loop_flops.loop_flops_correction(exe, reported)
+
+    six = total(lambda x, p: jnp.sum(unrolled(x, 6)))
+    mixed = total(
+        lambda x, p: jnp.sum(jax.lax.cond(p > 0, lambda h: scan(h, 6), lambda h: unrolled(h, 4), x))
+    )
+    both_scans = total(
+        lambda x, p: jnp.sum(jax.lax.cond(p > 0, lambda h: scan(h, 6), lambda h: scan(h, 3), x))
+    )
+    assert mixed == pytest.approx(six, rel=0.01)
+    assert both_scans == pytest.approx(six, rel=0.01)

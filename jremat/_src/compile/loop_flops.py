@@ -19,8 +19,10 @@ from jremat._src.base import compat as _compat
 _WHILE = re.compile(r"\bwhile\(.*?\), condition=%?([\w.\-]+), body=%?([\w.\-]+)")
 _TRIPS = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
 # computations an instruction calls once per execution (fusions hold no loops)
-_CALLED = re.compile(
-    r"\b(?:calls|to_apply|true_computation|false_computation)=%?([\w.\-]+)"
+_CALLED = re.compile(r"\b(?:calls|to_apply)=%?([\w.\-]+)")
+# a conditional's branches, of which one runs
+_BRANCHES = re.compile(
+    r"\btrue_computation=%?([\w.\-]+), false_computation=%?([\w.\-]+)"
     r"|\bbranch_computations=\{([^}]*)\}"
 )
 _HEADER = re.compile(r"^(ENTRY )?%?([\w.\-]+) ")
@@ -28,7 +30,8 @@ _HEADER = re.compile(r"^(ENTRY )?%?([\w.\-]+) ")
 
 def loop_flops_correction(executable: Any, reported: float) -> float | None:
     """FLOPs to add to `reported`, XLA's count for `executable` (`xla.xla_flops`), so that
-    every `while` body counts once per trip.
+    every `while` body counts once per trip. A conditional counts, as XLA counts it, its
+    costliest branch, loops included.
 
     0.0 for a program without loops. None where the figure cannot be read from the optimized
     HLO, so that the caller counts another way: a loop without a known trip count, HLO this
@@ -49,7 +52,7 @@ def loop_flops_correction(executable: Any, reported: float) -> float | None:
         return None
     body_flops: dict[str, float | None] = {}
 
-    def body_cost(name: str) -> float | None:
+    def body_cost(name: str) -> float | None:  # a loop body's or a branch's own cost
         if name not in body_flops:
             body_flops[name] = _compat.hlo_text_flops(_with_entry(lines, name), executable)
         return body_flops[name]
@@ -72,7 +75,19 @@ def loop_flops_correction(executable: Any, reported: float) -> float | None:
                 n = int(trips.group(1))
                 total += (n - 1) * cost + n * inner
                 continue
-            for called in _called(line):
+            if (branches := _branches(line)) is not None:
+                # XLA counts a conditional as its costliest branch; with each branch's
+                # loops counted per trip, the costliest branch may be another one
+                inner = [correction(b) for b in branches]
+                if any(k is None for k in inner):
+                    return None
+                if any(inner):
+                    costs = [body_cost(b) for b in branches]
+                    if any(c is None for c in costs):
+                        return None
+                    total += max(c + k for c, k in zip(costs, inner, strict=True)) - max(costs)
+                continue
+            for called in _CALLED.findall(line):
                 inner = correction(called)
                 if inner is None:
                     return None
@@ -101,14 +116,14 @@ def _split(lines: list[str]) -> tuple[dict[str, list[str]], str | None]:
     return computations, entry
 
 
-def _called(line: str) -> list[str]:
-    out = []
-    for single, branches in _CALLED.findall(line):
-        if single:
-            out.append(single)
-        elif branches:
-            out += [b.strip().lstrip("%") for b in branches.split(",") if b.strip()]
-    return out
+def _branches(line: str) -> list[str] | None:
+    """The branch computations of a conditional instruction, or None for another one."""
+    m = _BRANCHES.search(line)
+    if m is None:
+        return None
+    if m.group(1):
+        return [m.group(1), m.group(2)]
+    return [b.strip().lstrip("%") for b in m.group(3).split(",") if b.strip()]
 
 
 def _with_entry(lines: list[str], name: str) -> str:
