@@ -140,12 +140,22 @@ def step_flops(
             _num_devices(executable) if spmd else 1
         )
     if scan_flops:
-        extra = loop_flops_correction(executable, flops)  # per device, from the optimized HLO
-        if extra is None:  # not readable there: each scan body compiled on its own
+
+        def by_bodies() -> float:
             extra = scan_flops_correction(fn, args, argnums, has_aux)
-            extra = extra / _num_devices(executable) if spmd else extra
-        flops += extra
+            return extra / _num_devices(executable) if spmd else extra
+
+        flops = with_loop_trips(executable, flops, by_bodies)
     return flops
+
+
+def with_loop_trips(executable: Any, flops: float, by_bodies: Callable[[], float]) -> float:
+    """`flops` (XLA's count for `executable`, `xla_flops`) with every loop body counted once
+    per trip: the missing trips read from the executable's optimized HLO (per device,
+    `loop_flops.loop_flops_correction`), else, where they cannot be read there (a loop
+    without a known trip count), `by_bodies()`: the scan bodies compiled on their own."""
+    extra = loop_flops_correction(executable, flops)
+    return flops + (by_bodies() if extra is None else extra)
 
 
 def compile_figures(

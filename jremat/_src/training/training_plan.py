@@ -23,7 +23,6 @@ from jremat._src.base.args import abstract_args, check_flag, check_scalar_output
 from jremat._src.base.budget import parse_budget
 from jremat._src.base.errors import InfeasibleBudgetError
 from jremat._src.compile import xla
-from jremat._src.compile.loop_flops import loop_flops_correction
 from jremat._src.compile.program import Program
 from jremat._src.plan.plan import Plan, plan_key
 from jremat._src.plan.rewrite import rematerialize
@@ -160,14 +159,14 @@ def _measure(vg, optimizer, args: Sequence[Any]) -> tuple[int, int, float]:
     jitted, raw = _step(vg, optimizer)
     compiled = xla.compile_jitted(jitted, args, figures_only=True)  # never run
     mem = xla.MemoryFigures.of(compiled)
-    # XLA counts a loop body once; add (trips - 1) bodies for every loop (the microbatch loop
-    # and any scan inside the loss): from the optimized HLO, else each scan body compiled
-    flops = xla.xla_flops(compiled)
-    extra = loop_flops_correction(compiled, flops)
-    if extra is None:
+    # XLA counts a loop body once; every loop (the microbatch loop and any scan inside the
+    # loss) counted once per trip
+
+    def by_bodies() -> float:
         jaxpr = jax.make_jaxpr(raw if raw is not None else vg)(*args)
-        extra = xla.jaxpr_scan_correction(_compat.closed(jaxpr)[0], {})
-    flops += extra
+        return xla.jaxpr_scan_correction(_compat.closed(jaxpr)[0], {})
+
+    flops = xla.with_loop_trips(compiled, xla.xla_flops(compiled), by_bodies)
     return mem.footprint_bytes, mem.temp_bytes, flops
 
 
