@@ -2,6 +2,8 @@
 
 * `remat3`: parametrizes a test over `jax_remat3` off/on (only "off" where jax lacks the flag),
   restoring the previous value afterwards.
+* `compiles`: counts, for one test, calls of `xla.compile_jitted` (jremat's one compile path)
+  and of JAX's AOT `Lowered.compile` from anywhere (`Counts`).
 * `cache`: a session-wide memo of models, unrematerialized measurements and plans, so that the
   expensive figures (each is an XLA compile) are computed once per session and shared by files.
 
@@ -26,6 +28,7 @@ JREMAT_TESTS_FULL_OPT=1 to compile at XLA's default level.
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import os
 import shutil
 import sys
@@ -143,3 +146,30 @@ class SessionCache:
 @pytest.fixture(scope="session")
 def cache() -> SessionCache:
     return SessionCache()
+
+
+@dataclasses.dataclass
+class Counts:
+    jremat: int = 0  # calls of xla.compile_jitted
+    aot: int = 0  # calls of jax.stages.Lowered.compile (from anywhere)
+
+
+@pytest.fixture
+def compiles(monkeypatch):
+    from jremat._src.compile import xla
+
+    counts = Counts()
+    real_compile_jitted = xla.compile_jitted
+    real_lowered_compile = jax.stages.Lowered.compile
+
+    def compile_jitted(jitted, args, **kw):
+        counts.jremat += 1
+        return real_compile_jitted(jitted, args, **kw)
+
+    def lowered_compile(self, *a, **kw):
+        counts.aot += 1
+        return real_lowered_compile(self, *a, **kw)
+
+    monkeypatch.setattr(xla, "compile_jitted", compile_jitted)
+    monkeypatch.setattr(jax.stages.Lowered, "compile", lowered_compile)
+    return counts

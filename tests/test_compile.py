@@ -15,36 +15,12 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import pytest
+from conftest import Counts
 
 import jremat
 from jremat._src.compile import xla
 from jremat._src.compile.blocks import BlockProgram
 from jremat._src.compile.program import Program
-
-
-@dataclasses.dataclass
-class Counts:
-    jremat: int = 0  # calls of xla.compile_jitted
-    aot: int = 0  # calls of jax.stages.Lowered.compile (from anywhere)
-
-
-@pytest.fixture
-def compiles(monkeypatch):
-    counts = Counts()
-    real_compile_jitted = xla.compile_jitted
-    real_lowered_compile = jax.stages.Lowered.compile
-
-    def compile_jitted(jitted, args, **kw):
-        counts.jremat += 1
-        return real_compile_jitted(jitted, args, **kw)
-
-    def lowered_compile(self, *a, **kw):
-        counts.aot += 1
-        return real_lowered_compile(self, *a, **kw)
-
-    monkeypatch.setattr(xla, "compile_jitted", compile_jitted)
-    monkeypatch.setattr(jax.stages.Lowered, "compile", lowered_compile)
-    return counts
 
 
 def _mlp(depth: int = 4, width: int = 16, batch: int = 64, hidden: int = 64):
