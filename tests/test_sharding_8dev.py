@@ -243,10 +243,12 @@ def test_auto_in_a_data_parallel_shard_map_step_holds_in_the_real_step(named):
     temp = real_temp(planned)
     assert not plan.is_identity
     assert temp <= budget * base
-    # the program jremat verified is the one that runs: same baseline, same plan temp (the
-    # stand-in returns the per-device losses' sum, not their pmean: a few bytes apart)
+    # the program jremat verified is the one that runs: same baseline; the plan's temp is
+    # the most of the steps a caller may run around the body (this one, and value_and_grad
+    # with the gradients all-reduced inside the body: 1.9% of the baseline more here), so it
+    # bounds this step's from above, closely
     assert abs(plan.baseline_temp_bytes - base) <= 0.01 * base
-    assert abs(plan.measured_temp_bytes - temp) <= 0.01 * base
+    assert temp <= plan.measured_temp_bytes <= temp + 0.025 * base
     assert max_diff(planned(params, x), unremat(params, x)) <= 1e-6
 
 
@@ -317,3 +319,41 @@ def test_auto_under_eager_grad_reads_the_concrete_shardings():
     base = per_device_temp(m.loss, args)
     assert plan.baseline_temp_bytes == base
     assert per_device_temp(jremat.rematerialize(m.loss, plan), args) <= 0.6 * base
+
+
+@pytest.mark.parametrize("check_vma", [True, False])
+def test_auto_in_a_shard_map_body_whose_gradients_are_all_reduced_inside(check_vma):
+    """The common data-parallel step: `value_and_grad` inside the `shard_map` body, then
+    `pmean` of loss and gradients over the batch axis. The gradient all-reduce can hold more
+    temp than the body's backward pass: with `check_vma=False` (no varying axes to read) the
+    plan said 0.647 of its stand-in's temp and the running step held 1.41x its budget (a
+    breaker's 4-layer MLP whose replicated gradients outweigh its activations). The step that
+    runs stays within the budget, or the budget is refused with the smallest reachable one,
+    which then holds."""
+    mesh = jax.make_mesh((8,), ("data",), axis_types=(AUTO,))
+    m = M.mlp_chain(depth=4, width=128, batch=512, mult=2)
+    params, x = m.args
+    loss, _ = _dp_mlp_loss(named=True)
+
+    def step(fn):
+        def body(p, xb):
+            return jax.lax.pmean(jax.value_and_grad(fn)(p, xb), "data")
+
+        sm = jax.shard_map(
+            body, mesh=mesh, in_specs=(P(), P("data")), out_specs=P(), check_vma=check_vma
+        )
+        return jax.jit(sm).lower(params, x).compile()
+
+    unremat = step(loss)
+    budget = 0.75
+    f = jremat.auto(loss, budget=budget, solver=M.SOLVER, max_rounds=1)
+    try:
+        planned = step(f)
+    except jremat.InfeasibleBudgetError as e:
+        budget = e.smallest_reachable
+        f = jremat.auto(loss, budget=budget, solver=M.SOLVER, max_rounds=1)
+        planned = step(f)
+    (plan,) = f.plans.values()
+    temp = int(planned.memory_analysis().temp_size_in_bytes)
+    assert temp <= budget * plan.baseline_temp_bytes
+    assert max_diff(planned(params, x), unremat(params, x)) <= 1e-6

@@ -402,6 +402,63 @@ def bind_axes(
     return g, tuple(jax.tree_util.tree_unflatten(tree, glob))
 
 
+def bind_axes_step(
+    fn: Callable[..., Any],
+    axes: Mapping[str, int],
+    args: Sequence[Any],
+    argnums: tuple[int, ...],
+    has_aux: bool = False,
+) -> tuple[Callable[..., Any], tuple]:
+    """The training step a data-parallel caller runs around a `shard_map` body `fn`:
+    `value_and_grad(fn, argnums)` inside the body, then the loss and each gradient averaged
+    over the axes they vary over and their argument does not (the gradient all-reduce of a
+    replicated parameter over the batch axes), as `jax.lax.pmean(value_and_grad(f)(p, x),
+    "data")` does. Where no argument is seen to vary (a body traced with `check_vma=False`
+    carries no varying axes), over every axis. `(h, global_args)` as `bind_axes`; `h` is the
+    whole step (compile `jit(h)`, not its gradient). With `has_aux` the aux values are
+    dropped (not returned)."""
+    mesh = make_mesh(dict(axes))
+    flat, tree = jax.tree_util.tree_flatten(args)
+    varying_of, specs, glob = [], [], []
+    for x in flat:
+        mat = getattr(x, "manual_axis_type", None)
+        varying = tuple(a for a in axes if mat is not None and a in getattr(mat, "varying", ()))
+        varying_of.append(varying)
+        k = math.prod(axes[a] for a in varying)
+        specs.append(PartitionSpec(varying) if varying else PartitionSpec())
+        shape = (k, *x.shape) if varying else tuple(x.shape)
+        glob.append(jax.ShapeDtypeStruct(shape, x.dtype, weak_type=getattr(x, "weak_type", False)))
+    lifted = [bool(v) for v in varying_of]
+    seen = any(lifted)
+    leaves_of = [len(jax.tree_util.tree_leaves(a)) for a in args]
+    offsets = [sum(leaves_of[:i]) for i in range(len(args))]
+    diff_leaves = [j for i in argnums for j in range(offsets[i], offsets[i] + leaves_of[i])]
+    grad_step = jax.value_and_grad(fn, argnums=argnums, has_aux=has_aux)
+
+    def reduced(v: Any, own: tuple[str, ...]) -> Any:
+        vary = getattr(_compat.manual_axis_type(v), "varying", ()) or ()
+        over = tuple(a for a in axes if (a in vary or not seen) and a not in own)
+        return jax.lax.pmean(v, over) if over else v
+
+    def body(*flat_in: Any) -> Any:
+        local = [a.reshape(a.shape[1:]) if v else a for a, v in zip(flat_in, lifted, strict=True)]
+        value, grads = grad_step(*jax.tree_util.tree_unflatten(tree, local))
+        loss = reduced(value[0] if has_aux else value, ())
+        out = [loss.reshape((1,) * len(axes))]
+        for j, gr in zip(diff_leaves, jax.tree_util.tree_leaves(grads), strict=True):
+            gr = reduced(gr, varying_of[j])
+            out.append(gr.reshape((1, *gr.shape)) if lifted[j] else gr)
+        return tuple(out)
+
+    out_specs = (PartitionSpec(*axes), *[specs[j] for j in diff_leaves])
+    sm = _compat.shard_map(body, mesh, in_specs=tuple(specs), out_specs=out_specs, check=True)
+
+    def h(*a: Any) -> Any:
+        return sm(*jax.tree_util.tree_leaves(a))
+
+    return h, tuple(jax.tree_util.tree_unflatten(tree, glob))
+
+
 # -- specs -------------------------------------------------------------------------------------
 def spec_axes(entry: Any) -> tuple[str, ...]:
     if entry is None or entry is PartitionSpec.UNCONSTRAINED:
