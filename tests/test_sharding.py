@@ -218,7 +218,7 @@ def test_a_mesh_too_big_for_the_devices_says_how_to_get_more():
 MULTI_DEVICE_PARTS = {
     "sharded-jit-decoder": ("sharded_jit and decoder", 1),
     "sharded-jit-mlp": ("sharded_jit and mlp", 2),
-    "shard-map": ("shard_map", 4),
+    "shard-map": ("shard_map", 6),
     "rest": ("not sharded_jit and not shard_map", 7),
 }
 
