@@ -273,3 +273,32 @@ def test_loops_in_conditional_branches_count_the_costliest_branch_only():
     )
     assert mixed == pytest.approx(six, rel=0.01)
     assert both_scans == pytest.approx(six, rel=0.01)
+
+
+def test_a_plans_flops_count_every_trip_of_a_loop_outside_any_scan():
+    """A `while_loop` whose bounds XLA reads (as in `jax.random`'s rolled threefry on CPU) in
+    a program without a scan: the figures a plan is ranked and reported by count its 8 trips,
+    as `measure` does (they counted one trip: the breaker's plan said +10.0% FLOPs where
+    `measure` said +0.7%)."""
+    from jremat._src.compile.program import Program
+
+    ws = [jnp.full((64, 64), 0.01) for _ in range(3)]
+
+    def loss(ws, x):
+        def body(s):
+            return s[0] + 1, jnp.tanh(s[1] @ ws[0])
+
+        trips = (0, jax.lax.stop_gradient(x))
+        _, scale = jax.lax.while_loop(lambda s: s[0] < 8, body, trips)
+        h = x
+        for w in ws:
+            h = jnp.tanh(h @ w)
+        return jnp.mean(h * jax.lax.stop_gradient(scale))
+
+    x = jnp.ones((32, 64))
+    prog = Program(loss, (ws, x), 0)
+    assert not prog.has_scan
+    one_trip = 2 * 32 * 64 * 64 + 32 * 64  # the loop body's matmul and tanh
+    measured = jremat.measure(loss, ws, x).flops
+    assert measured >= xla_flops(compile_step(loss, (ws, x), (0,))) + 7 * one_trip
+    assert prog.baseline.flops == measured

@@ -235,7 +235,7 @@ class Program:
     ) -> tuple[Compiled, Any, float]:
         f = self.objective.step_fn(self, plan)
         t0 = time.perf_counter()
-        exe, flops = self.compile_fn(f, scan_flops=self.has_scan, figures_only=figures_only)
+        exe, flops = self.compile_fn(f, figures_only=figures_only)
         seconds = time.perf_counter() - t0
         compiled = self.objective.figures(self, MemoryFigures.of(exe), flops)
         if offloads(plan) and not host_offload_effective():
