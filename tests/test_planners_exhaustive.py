@@ -403,3 +403,36 @@ def test_below_the_smallest_peak_nothing_fits(ref, name):
     """They return None (none raises)."""
     planner = _build(ref, name)
     assert planner.plan(ref.smallest_peak * (1 - 1e-6)) is None
+
+
+@pytest.mark.parametrize("lower", ["first layer", "second layer"])
+def test_chain_dp_ties_between_identical_layers_do_not_turn_on_the_last_bit(lower):
+    """Two identical layers. Whichever of two equal costs reads one ulp lower (the same costs
+    summed in another order, as tables built with and without an offload option do), both
+    DPs return the same plan: the tie is decided by order (the smallest segment end, then
+    the first option)."""
+    from jremat._src.plan.planners.model import min_memory, within_budget
+    from jremat._src.plan.planners.segments import SegmentTable
+
+    inf = math.inf
+    stored = np.full((2, 3, 3), inf)
+    transient = np.full((2, 3, 3), inf)
+    flops = np.full((2, 3, 3), inf)
+    for a in (0, 1):  # options: keep (stores 100, recomputes nothing), nothing (10, 50 FLOPs)
+        stored[:, a, a + 1] = (100.0, 10.0)
+        transient[:, a, a + 1] = (0.0, 20.0)
+        flops[:, a, a + 1] = (0.0, 50.0)
+    # one segment over both layers, saving nothing: the same peak (40) and FLOPs as two
+    stored[1, 0, 2], transient[1, 0, 2] = 10.0, 30.0
+    first = lower == "first layer"
+    flops[1, 0, 2] = np.nextafter(100.0, 0.0 if first else inf)
+    a = 0 if first else 1
+    flops[1, a, a + 1] = np.nextafter(50.0, 0.0)
+    t = SegmentTable([0, 1, 2], ["keep", "nothing"], stored, transient, flops)
+    # room to keep one layer: peaks 130 (keep the first) and 110 (keep the second)
+    cost, segs = within_budget(t, 160.0)
+    assert cost == pytest.approx(50.0)
+    assert segs == [(0, 1, "keep"), (1, 2, "nothing")]
+    peak, segs = min_memory(t)
+    assert peak == 40.0
+    assert segs == [(0, 1, "nothing"), (1, 2, "nothing")]

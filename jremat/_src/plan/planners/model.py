@@ -44,8 +44,21 @@ Segments = list[tuple[int, int, str]]
 
 GRID = 384  # memory buckets of the budgeted DP
 
+#: Relative difference under which two costs (or peaks) are a tie, decided by order (the
+#: smallest segment end, then the first option): float rounding, not the model, must not
+#: decide between identical layers (a table built with an offload option summed them in
+#: another order than one without, and greedy chose other segments; greedy.RATIO_TIE).
+COST_TIE = 1e-9
+
 #: Budget inflations tried after the DP (largest first) to undo its per-segment rounding.
 INFLATIONS = (0.04, 0.02, 0.01)
+
+
+def first_near_min(values: np.ndarray, axis: int) -> np.ndarray:
+    """`np.argmin(values, axis)`, but the first index within `COST_TIE` (relative) of the
+    minimum: sums of identical layers' costs that differ in the last bit are a tie."""
+    lowest = values.min(axis=axis, keepdims=True)
+    return np.argmax(values <= lowest + COST_TIE * np.abs(lowest), axis=axis)
 
 
 def min_memory(t: SegmentTable) -> tuple[float, Segments]:
@@ -61,10 +74,11 @@ def min_memory(t: SegmentTable) -> tuple[float, Segments]:
         stored, trans, fl = (x[:, a, a + 1 :].T for x in (t.stored, t.transient, t.cost))
         peak = np.maximum(stored + trans, stored + peak_of[a + 1 :, None])
         flops = fl + flops_of[a + 1 :, None]
-        # lexicographic (peak, FLOPs) minimum; ties: the smallest b, then the first option
+        # lexicographic (peak, FLOPs) minimum; ties (to COST_TIE): the smallest b, then the
+        # first option
         lowest = peak.min()
-        flops = np.where(peak == lowest, flops, math.inf)
-        i, k = np.unravel_index(np.argmin(flops), flops.shape)
+        flops = np.where(peak <= lowest * (1 + COST_TIE), flops, math.inf)
+        i, k = np.unravel_index(first_near_min(flops.reshape(-1), axis=0), flops.shape)
         if (lowest, flops[i, k]) < (math.inf, math.inf):
             peak_of[a], flops_of[a] = lowest, flops[i, k]
             choice[a] = (a + 1 + int(i), t.options[int(k)])
@@ -113,7 +127,7 @@ def within_budget(
         cand = np.where(
             cols >= need[rows_b, rows_k][:, None], fl[rows_b, rows_k][:, None] + rest, inf
         )
-        first = np.argmin(cand, axis=0)  # ties: the smallest b, then the first option
+        first = first_near_min(cand, axis=0)  # ties: the smallest b, then the first option
         best = cand[first, cols]
         padded[a, width:] = best
         arg_b[a] = np.where(np.isfinite(best), bs[rows_b[first]], -1)
