@@ -19,7 +19,9 @@ Per cell (a model at a budget) in a fresh process per model:
 * `floor`: the warm first call plus the compiles that verify the plan once it is known (the
   unrematerialized step, the plan's step and its `jit(grad)` step, for their figures, in
   parallel threads), over the plain first call: what a search that compiled nothing but its
-  answer would cost;
+  answer would cost; `floor, no grad check` and `floor, plan only` the same with fewer of
+  those compiles (the plan's `value_and_grad` step and the baseline; the plan's step
+  alone), which bound what dropping a check could win;
 * `extra FLOPs`: the plan's compiled FLOPs (`Plan.measured_flops`) over the unrematerialized
   program's (`jremat.measure`), minus 1; `fits`: its compiled temp bytes
   (`Plan.measured_temp_bytes`) meet the budget.
@@ -183,29 +185,42 @@ def _warm(name: str, budgets: list[float], plan_dir: str) -> list[dict]:
                 "budget": b,
                 "warm_ratio": seconds / plain,
                 "floor_ratio": (seconds + _verify_seconds(loss, params, batch, p)) / plain,
+                "floor_no_grad_ratio": (
+                    seconds + _verify_seconds(loss, params, batch, p, "no_grad")
+                )
+                / plain,
+                "floor_plan_ratio": (seconds + _verify_seconds(loss, params, batch, p, "plan"))
+                / plain,
                 "loads": wrapped.plan_cache.loads,
             }
         )
     return rows
 
 
-def _verify_seconds(loss, params, batch, plan) -> float:
+def _verify_seconds(loss, params, batch, plan, parts: str = "all") -> float:
     """Wall seconds of the compiles that verify a known plan at a fractional budget: the
     unrematerialized step (the budget's reference), the plan's step and its `jit(grad)` step,
     as the search compiles them (for their figures only, scan bodies' FLOPs included), on a
     fresh `Program`, all at once in `COMPILE_THREADS` threads. A first call that knew its plan
     would cost the warm first call plus these: the floor of a verified plan, whatever the
-    search (`floor_ratio`)."""
+    search (`floor_ratio`).
+
+    `parts` drops compiles, to show what each is worth: "all" (the three), "no_grad" (the
+    unrematerialized step and the plan's step: a plan verified on `value_and_grad` only) and
+    "plan" (the plan's step alone: a byte budget, verified on one step only). Neither of the
+    last two is what `jremat.plan` may do; they bound what dropping a check could win."""
     import concurrent.futures
 
     from jremat._src.compile.program import COMPILE_THREADS, Program
 
     prog = Program(loss, (params, batch), 0)
-    tasks = [lambda: prog.compile(None)]
+    tasks = [] if parts == "plan" else [lambda: prog.compile(None)]
     if not plan.is_identity:
-        tasks += [lambda: prog.compile(plan), lambda: prog.grad_step_temp(plan)]
+        tasks += [lambda: prog.compile(plan)]
+        if parts == "all":
+            tasks += [lambda: prog.grad_step_temp(plan)]
     t0 = time.perf_counter()
-    with concurrent.futures.ThreadPoolExecutor(min(len(tasks), COMPILE_THREADS)) as pool:
+    with concurrent.futures.ThreadPoolExecutor(max(1, min(len(tasks), COMPILE_THREADS))) as pool:
         for f in [pool.submit(t) for t in tasks]:
             f.result()
     return time.perf_counter() - t0
@@ -272,33 +287,35 @@ def _child(mode: str, name: str, budgets: list[float], plan_dir: str) -> list[di
 def table(rows: list[dict]) -> str:
     lines = [
         "| model | budget | compiles | compile s | other s | ratio | warm ratio | floor ratio "
-        "| extra FLOPs | fits |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| floor, no grad check | floor, plan only | extra FLOPs | fits |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
+
+    def cell(r: dict, key: str) -> str:
+        return f"{r[key]:.2f}" if key in r else "-"
+
     for r in rows:
         if "infeasible" in r:
-            lines.append(f"| {r['model']} | {r['budget']} | infeasible | | | | | | | |")
+            lines.append(f"| {r['model']} | {r['budget']} | infeasible |" + " |" * 9)
             continue
-        warm = f"{r['warm_ratio']:.2f}" if "warm_ratio" in r else "-"
-        floor = f"{r['floor_ratio']:.2f}" if "floor_ratio" in r else "-"
         lines.append(
             f"| {r['model']} | {r['budget']} | {r['compiles']} | {r['compile_s']:.1f} | "
-            f"{r['other_s']:.1f} | {r['ratio']:.1f} | {warm} | {floor} | "
-            f"{100 * r['extra_flops']:.2f}% "
+            f"{r['other_s']:.1f} | {r['ratio']:.1f} | {cell(r, 'warm_ratio')} | "
+            f"{cell(r, 'floor_ratio')} | {cell(r, 'floor_no_grad_ratio')} | "
+            f"{cell(r, 'floor_plan_ratio')} | {100 * r['extra_flops']:.2f}% "
             f"| {'yes' if r['fits'] else 'NO'} |"
         )
-    ratios = [r["ratio"] for r in rows if "ratio" in r]
-    warms = [r["warm_ratio"] for r in rows if "warm_ratio" in r]
-    floors = [r["floor_ratio"] for r in rows if "floor_ratio" in r]
-    if ratios:
-        gm = math.exp(sum(map(math.log, ratios)) / len(ratios))
-        lines.append(f"\ngeometric mean of auto's first call / plain first call: {gm:.2f}")
-    if warms:
-        gm = math.exp(sum(map(math.log, warms)) / len(warms))
-        lines.append(f"geometric mean with a warm plan cache (new process): {gm:.2f}")
-    if floors:
-        gm = math.exp(sum(map(math.log, floors)) / len(floors))
-        lines.append(f"geometric mean of the floor (the plan known, only verified): {gm:.2f}")
+    for key, what in (
+        ("ratio", "auto's first call / plain first call"),
+        ("warm_ratio", "warm plan cache (new process)"),
+        ("floor_ratio", "floor (the plan known, only verified)"),
+        ("floor_no_grad_ratio", "floor without the jit(grad) check"),
+        ("floor_plan_ratio", "floor with the plan's step alone compiled"),
+    ):
+        values = [r[key] for r in rows if key in r]
+        if values:
+            gm = math.exp(sum(map(math.log, values)) / len(values))
+            lines.append(f"geometric mean, {what}: {gm:.2f}")
     return "\n".join(lines)
 
 
@@ -345,7 +362,8 @@ def main() -> None:
         for r in cold:
             if r["budget"] in warm:
                 r["warm_ratio"] = warm[r["budget"]]["warm_ratio"]
-                r["floor_ratio"] = warm[r["budget"]]["floor_ratio"]
+                for k in ("floor_ratio", "floor_no_grad_ratio", "floor_plan_ratio"):
+                    r[k] = warm[r["budget"]][k]
             rows.append(r)
             print(json.dumps(r), flush=True)
     print(table(rows))
