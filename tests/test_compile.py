@@ -251,6 +251,53 @@ def test_a_plan_compiled_for_its_figures_is_compiled_again_to_run(compile_option
     assert len(compile_options) == 2
 
 
+def test_where_figures_only_is_the_default_compile_a_plan_compiles_once(
+    compile_options, monkeypatch
+):
+    """On a platform without figures-only options (GPU, TPU: `FIGURES_ONLY_OPTIONS` has none,
+    emptied here to stand for one) the search's compile of a plan is the default compile:
+    `Program.step` runs that executable instead of compiling the plan again, with the
+    figures of that one compile and the unrematerialized gradients."""
+    from jremat._src.plan.recipes import recipe_plan
+
+    monkeypatch.setattr(xla, "FIGURES_ONLY_OPTIONS", {})
+    loss, params, x = _mlp(depth=2)
+    prog = Program(loss, (params, x), 0)
+    assert prog.figures_compile_runs
+    plan = recipe_plan(prog.graph, "nothing_saveable")
+    figures = prog.compile(plan)
+    assert compile_options == [None]  # the default options: an executable fit to run
+    c, exe, seconds = prog.step(plan)
+    assert len(compile_options) == 1 and c == figures and seconds > 0
+    _, grads = exe(params, x)
+    chex.assert_trees_all_close(grads, jax.grad(loss)(params, x), rtol=1e-5, atol=1e-6)
+
+
+def test_compare_runs_the_plan_the_search_compiled_where_figures_only_is_the_default(
+    compiles, monkeypatch
+):
+    """`jremat.compare` runs every row's step. On CPU, whose figures-only compiles are at LLVM
+    -O0, the plan `auto` chose is compiled again at the default level to run. Where
+    figures-only compiles are the default compile (no options: GPU, TPU) the row runs the
+    search's own compile: one compile fewer, the same rows (the same figures: the options
+    change none, `test_a_figures_only_compile_has_the_figures_of_the_default_compile`)."""
+    loss, params, x = _mlp(depth=4, batch=256)
+
+    def rows_and_compiles():
+        before = compiles.aot
+        table = jremat.compare(loss, params, x, policies=["nothing_saveable"], budgets=[0.6])
+        assert [r.status for r in table.rows] == ["ok"] * 3
+        assert all(r.max_grad_diff < 1e-5 for r in table.rows)  # against no remat
+        return [(r.policy, r.temp_bytes, r.flops) for r in table.rows], compiles.aot - before
+
+    cpu_rows, cpu_compiles = rows_and_compiles()
+    monkeypatch.setattr(xla, "FIGURES_ONLY_OPTIONS", {})
+    rows, n = rows_and_compiles()
+    assert rows == cpu_rows and cpu_rows[2][0] == "jremat auto"
+    assert cpu_rows[2][1:] != cpu_rows[1][1:]  # auto's plan is not the row compiled to run
+    assert n == cpu_compiles - 1
+
+
 def test_a_figures_only_compile_of_arguments_sharded_over_an_abstract_mesh():
     """Arguments whose sharding names an `AbstractMesh` (ShapeDtypeStructs under
     `jax.set_mesh`, as `jremat.plan_training` keeps them) compile for their figures on the

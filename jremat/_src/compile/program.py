@@ -29,7 +29,12 @@ from jremat._src.base.args import (
     normalize_argnums,
 )
 from jremat._src.base.sharding import arg_mesh, manual_axes, shard_args
-from jremat._src.compile.xla import MemoryFigures, compile_figures, compile_step
+from jremat._src.compile.xla import (
+    MemoryFigures,
+    compile_figures,
+    compile_step,
+    figures_only_is_default,
+)
 from jremat._src.plan.offload import OffloadCost, host_offload_effective, offload_proxy, offloads
 from jremat._src.plan.plan import Plan, plan_key
 from jremat._src.plan.planners import PLANNERS
@@ -192,12 +197,13 @@ class Program:
     def step(self, plan: Plan | None) -> tuple[Compiled, Any, float]:
         """(figures, executable, compile seconds) of `jit(value_and_grad)` of the objective's
         function under `plan`, compiled once per plan structure to run (a plan `compile`
-        compiled for its figures only is compiled again, with the default options; figures
-        from that compile); every compiled plan is also listed in `tried`."""
+        compiled for its figures only is compiled again, with the default options, figures
+        from that compile; not where that compile was the default one already,
+        `figures_compile_runs`); every compiled plan is also listed in `tried`."""
         key = self.program_key(plan)
         with self._lock:
             found = self._steps.get(key)
-        if found is not None and key in self._runnable:
+        if found is not None and (key in self._runnable or self.figures_compile_runs):
             return found
         step = self._compile_step(plan, figures_only=False)
         with self._lock:
@@ -206,6 +212,15 @@ class Program:
                 self._steps[key] = step
                 return step
         return self._store(plan, step)
+
+    @functools.cached_property
+    def figures_compile_runs(self) -> bool:
+        """Whether the executable of a plan compiled for its figures (`compile`) is the one
+        `step` would compile to run: no figures-only options on this program's platform
+        (GPU, TPU; `xla.figures_only_is_default`), and not a `shard_map` body, whose figures
+        may be another step's (`xla.compile_figures`). There a plan the search compiled is
+        not compiled again to run (`jremat.compare`'s rows)."""
+        return not self.manual_axes and figures_only_is_default(self.args)
 
     def compile_many(self, plans: Sequence[Plan | None]) -> list[Compiled]:
         """`compile` of each plan; those not compiled yet are compiled in parallel threads

@@ -40,6 +40,14 @@ def compile_jitted(jitted: Any, args: Sequence[Any], *, figures_only: bool = Fal
     return lowered.compile(compiler_options=dict(options)) if options else lowered.compile()
 
 
+def figures_only_is_default(args: Sequence[Any]) -> bool:
+    """Whether `compile_jitted(..., figures_only=True)` for `args` compiles with the default
+    options: `FIGURES_ONLY_OPTIONS` has none for their platform (GPU, TPU), so its executable
+    is the one a default compile gives, fit to run (`Program.step` then runs a plan the
+    search compiled, instead of compiling it again)."""
+    return not FIGURES_ONLY_OPTIONS.get(_platform(args))
+
+
 def _platform(args: Sequence[Any]) -> str:
     """The platform `args` compile for: that of their mesh's devices, else the default."""
     try:
