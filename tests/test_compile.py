@@ -8,6 +8,7 @@ around the wrapper. Tiny shapes: each test compiles a few small programs.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 
 import chex
@@ -167,6 +168,33 @@ def test_a_plan_call_compiles_a_fixed_count_whatever_was_planned_before(compiles
         fresh.measured_temp_bytes,
         fresh.measured_flops,
     )
+
+
+def test_a_segment_that_names_nothing_to_save_compiles_once_with_nothing_saveable(compiles):
+    """A planner's min-memory plan cut at the layers names no value to save in any segment:
+    the same program as per-layer `nothing_saveable` (the same StableHLO), so the two share
+    one compile (`recipes.same_program_key`); a segment that saves a value does not."""
+    from jremat._src.plan.plan import plan_key
+    from jremat._src.plan.recipes import recipe_plan
+
+    loss, params, x = _mlp(depth=4, batch=256)
+    prog = Program(loss, (params, x), 0)
+    min_plan = prog.planner("auto", 160).min_memory_plan()
+    recipe = recipe_plan(prog.graph, "nothing_saveable")
+    checkpointed = [s for s in min_plan.segments if s.policy == "names"]
+    assert len(checkpointed) == 4 and not any(s.saved or s.offloaded for s in checkpointed)
+    assert plan_key(min_plan) != plan_key(recipe)
+
+    def text(plan):
+        f = prog.objective.step_fn(prog, plan)
+        return jax.jit(xla.step_grad(f, (0,))).lower(params, x).as_text()
+
+    assert text(min_plan) == text(recipe)
+    assert prog.program_key(min_plan) == prog.program_key(recipe)
+    assert prog.compile(min_plan) == prog.compile(recipe) and compiles.jremat == 1
+    saving = copy.deepcopy(min_plan)
+    saving.segments[saving.segments.index(checkpointed[0])].saved = [next(iter(prog.graph.values))]
+    assert prog.program_key(saving) != prog.program_key(recipe)
 
 
 def test_twin_dots_recipes_share_a_compile_only_where_they_save_the_same():

@@ -5,6 +5,7 @@ loop rematerializations of top-level scans, compiled as reference plans next to 
 from __future__ import annotations
 
 import math
+import re
 
 import jax
 
@@ -58,11 +59,18 @@ def dots_policies_differ(graph: Graph) -> bool:
     return differ([n.eqn for n in graph.nodes])
 
 
+#: A checkpointed segment that names no value to save or offload (`save_only_these_names()`
+#: of nothing) in a `plan_key`: it saves what `nothing_saveable` saves, nothing.
+_NAMES_SAVING_NOTHING = re.compile(r"(\d+:\d+:)names:(?=[;|])")
+
+
 def same_program_key(plan: Plan | None, policies_differ: bool) -> str:
-    """`plan_key(plan)`, equal for plans that compile to the same program: where the two dots
+    """`plan_key(plan)`, equal for plans that compile to the same program: a `"names"`
+    segment that saves and offloads nothing counts as under `nothing_saveable` (a planner's
+    min-memory plan cut at the layers is per-layer `nothing_saveable`); where the two dots
     policies save the same values (`dots_policies_differ` False), segments and scans under
     `NO_BATCH_DOTS` count as under `dots_saveable`."""
-    key = plan_key(plan)
+    key = _NAMES_SAVING_NOTHING.sub(r"\1nothing_saveable:", plan_key(plan))
     return key if policies_differ else key.replace(NO_BATCH_DOTS, "dots_saveable")
 
 
