@@ -73,7 +73,9 @@ class Row:
       flops: XLA's FLOPs of the step (scan bodies counted once per trip).
       extra_flops_pct: 100 x (flops / unrematerialized flops - 1).
       max_grad_diff: largest absolute difference from the unrematerialized gradients.
-      compile_seconds: wall seconds to lower and compile the step.
+      compile_seconds: wall seconds to lower and compile the step. Where the search's own
+        compile of the plan runs (no figures-only options: GPU, TPU;
+        `Program.figures_compile_runs`), that compile's seconds, also inside `plan_seconds`.
       step_seconds: median wall seconds of one step over `runs` runs; None when runs == 0.
       plan_seconds: wall seconds the planner took (planner rows only).
       budget_temp_bytes: the budget translated to temp bytes (planner rows only).
