@@ -36,8 +36,13 @@ def compile_jitted(jitted: Any, args: Sequence[Any], *, figures_only: bool = Fal
     With `figures_only` (the executable is read for its memory and cost figures, never run)
     it compiles under the platform's `FIGURES_ONLY_OPTIONS`: the same figures, sooner."""
     lowered = jitted.lower(*args)
-    options = FIGURES_ONLY_OPTIONS.get(_platform(args)) if figures_only else None
+    options = _figures_only_options(args) if figures_only else None
     return lowered.compile(compiler_options=dict(options)) if options else lowered.compile()
+
+
+def _figures_only_options(args: Sequence[Any]) -> dict[str, Any] | None:
+    """`FIGURES_ONLY_OPTIONS` of the platform `args` compile for (None: it has none)."""
+    return FIGURES_ONLY_OPTIONS.get(_platform(args))
 
 
 def figures_only_is_default(args: Sequence[Any]) -> bool:
@@ -45,7 +50,7 @@ def figures_only_is_default(args: Sequence[Any]) -> bool:
     options: `FIGURES_ONLY_OPTIONS` has none for their platform (GPU, TPU), so its executable
     is the one a default compile gives, fit to run (`Program.step` then runs a plan the
     search compiled, instead of compiling it again)."""
-    return not FIGURES_ONLY_OPTIONS.get(_platform(args))
+    return not _figures_only_options(args)
 
 
 def _platform(args: Sequence[Any]) -> str:
