@@ -36,6 +36,14 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+# The suite sees 8 host devices, as a GPU or TPU node would (users' jit steps run on hosts with
+# many devices); a test that needs exactly one device says so (`one_device`). Set before jax's
+# CPU backend starts, like the flag below; an XLA_FLAGS that sets a device count keeps it.
+if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = (
+        os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+    ).strip()
+
 if not os.environ.get("JREMAT_TESTS_FULL_OPT") and "--xla_backend_optimization_level" not in (
     os.environ.get("XLA_FLAGS", "")
 ):  # read when jax's CPU backend starts: before any test module makes an array

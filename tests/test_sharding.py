@@ -1,15 +1,9 @@
-"""Sharding (docs/design.md#sharding) on one device: spec propagation rules, per-device bytes,
-argument errors; and the 8-device suite (`test_sharding_8dev.py`) run in a subprocess with 8
-host devices."""
+"""Sharding (docs/design.md#sharding) without a mesh: spec propagation rules, per-device bytes,
+argument errors. The SPMD cases are in `test_sharding_8dev.py`."""
 
 from __future__ import annotations
 
-import os
-import re
-import subprocess
-import sys
 import warnings
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -210,45 +204,3 @@ def test_a_mesh_too_big_for_the_devices_says_how_to_get_more():
     n = jax.device_count()
     with pytest.raises(ValueError, match=rf"needs {2 * n} devices; this process has {n}"):
         sharding.make_mesh({"data": 2 * n})
-
-
-#: `test_sharding_8dev.py` in parts, each run in its own 8-device subprocess so that pytest-xdist
-#: can spread them: (-k expression, how many tests it selects). The last part takes every test
-#: the others do not, so a test added to that file runs (and changes its count).
-MULTI_DEVICE_PARTS = {
-    "sharded-jit-decoder": ("sharded_jit and decoder", 1),
-    "sharded-jit-mlp": ("sharded_jit and mlp", 2),
-    "shard-map": ("shard_map", 6),
-    "rest": ("not sharded_jit and not shard_map", 7),
-}
-
-
-def test_multi_device_parts_cover_the_suite():
-    assert (
-        sum(n for _, n in MULTI_DEVICE_PARTS.values()) == 16
-    )  # the tests of test_sharding_8dev.py
-
-
-@pytest.mark.parametrize("part", list(MULTI_DEVICE_PARTS))
-def test_multi_device_suite(part):
-    """Run (a part of) `test_sharding_8dev.py` on 8 forced host devices (XLA_FLAGS must be set
-    before jax starts, so in a fresh interpreter) and require every selected test to pass, none
-    skipped."""
-    expr, count = MULTI_DEVICE_PARTS[part]
-    here = Path(__file__).resolve().parent
-    env = dict(os.environ)
-    env["XLA_FLAGS"] = (
-        env.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
-    ).strip()
-    env["PYTHONPATH"] = os.pathsep.join([str(here.parent), *filter(None, [env.get("PYTHONPATH")])])
-    env.pop("PYTEST_ADDOPTS", None)  # one process per part (not `-n`, say)
-    proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-         str(here / "test_sharding_8dev.py"), "-k", expr],
-        env=env, cwd=here.parent, capture_output=True, text=True, timeout=900,
-    )  # fmt: skip
-    tail = proc.stdout[-4000:] + proc.stderr[-2000:]
-    assert proc.returncode == 0, tail
-    summary = proc.stdout.strip().splitlines()[-1]
-    assert re.search(rf"\b{count} passed\b", summary), tail
-    assert "skipped" not in summary and "deselected" in summary, tail

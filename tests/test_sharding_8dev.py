@@ -1,17 +1,15 @@
 """jremat under SPMD on 8 host devices: sharded `jit` (data, tensor, data + tensor parallel),
-`shard_map` bodies, explicit sharding mode.
+committed shardings read through the caller's `jit`, `shard_map` bodies, explicit sharding.
 
-These tests need 8 devices, which XLA:CPU only gives when
-`XLA_FLAGS=--xla_force_host_platform_device_count=8` is set before jax starts; the rest of the
-suite runs on one device. `tests/test_sharding.py::test_multi_device_suite` runs this file in
-a subprocess with the flag; run it directly with
-
-    XLA_FLAGS=--xla_force_host_platform_device_count=8 python -m pytest tests/test_sharding_8dev.py
+The suite runs with 8 host devices (conftest.py sets
+`XLA_FLAGS=--xla_force_host_platform_device_count=8`); run with fewer, these tests skip.
 
 Every figure is per device: `memory_analysis()` of the SPMD-partitioned step.
 """
 
 from __future__ import annotations
+
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -25,8 +23,8 @@ from jremat._src.base.sharding import shard_args
 
 pytestmark = pytest.mark.skipif(
     jax.device_count() < 8,
-    reason="needs 8 devices: XLA_FLAGS=--xla_force_host_platform_device_count=8 "
-    "(test_sharding.py::test_multi_device_suite runs this file so)",
+    reason="needs 8 devices: XLA_FLAGS=--xla_force_host_platform_device_count=8 (conftest.py "
+    "sets it unless XLA_FLAGS names a device count)",
 )
 
 AUTO = jax.sharding.AxisType.Auto
@@ -284,27 +282,127 @@ def test_byte_budget_is_per_device(chain):
     assert budget < 0.5 * jremat.measure(chain.loss, *chain.args).footprint_bytes
 
 
-@pytest.mark.parametrize("context", ["set_mesh", "device_put"])
-def test_auto_refuses_to_plan_when_the_shardings_are_hidden(context):
-    """Inside jit in Auto mode the tracers hide their shardings (under `jax.set_mesh`, or
-    arrays merely placed with `device_put`): without in_shardings, auto raises at trace time
-    naming what to pass, instead of planning the unpartitioned program; a stated
-    `in_shardings=PartitionSpec()` (not sharded) is accepted."""
+def test_auto_refuses_to_plan_where_the_caller_places_values_itself():
+    """Where the caller's `jit` constrains a value's sharding before the loss sees it
+    (`with_sharding_constraint`), GSPMD decides the loss's partitioning at compile time: auto
+    raises at trace time naming what to pass, instead of planning for a guess; with the
+    sharding stated (`in_shardings=`) it plans for it."""
     m = M.mlp_chain(depth=2, width=8, batch=64)
     mesh = jax.make_mesh((8,), ("data",), axis_types=(AUTO,))
     f = jremat.auto(m.loss, budget=0.9, verify=False)
-    args = put(m.args, mlp_shardings(m.params, "data", None), mesh)
+
+    def step(loss):
+        def run(params, x):
+            x = jax.lax.with_sharding_constraint(x, NamedSharding(mesh, P("data")))
+            return jax.grad(loss)(params, x)
+
+        return run
+
     with pytest.raises(ValueError, match=r"in_shardings=.*PartitionSpec\(\)") as info:
-        if context == "set_mesh":
-            with jax.set_mesh(mesh):
-                jax.jit(jax.grad(f))(*m.args)
-        else:
-            jax.jit(jax.grad(f))(*args)
-    assert ("Auto" if context == "set_mesh" else "no mesh set") in str(info.value)
-    if context == "device_put":
-        unsharded = jremat.auto(m.loss, budget=0.9, verify=False, in_shardings=P())
-        got = jax.jit(jax.grad(unsharded))(*m.args)
-        assert max_diff(got, jax.grad(m.loss)(*m.args)) < 1e-6
+        jax.jit(step(f))(*m.args)
+    assert "8 devices and no mesh set" in str(info.value)
+    stated = jremat.auto(m.loss, budget=0.9, verify=False, in_shardings=(P(), P("data")),
+                         mesh=mesh)  # fmt: skip
+    assert max_diff(jax.jit(step(stated))(*m.args), jax.grad(m.loss)(*m.args)) < 1e-6
+
+
+# -- the caller's jit, no in_shardings: the program that runs is read off the jit trace --------
+def running_temp(step, args) -> int:
+    """Per-device temp bytes of the caller's own step, `jit(step)` on `args`."""
+    return int(jax.jit(step).lower(*args).compile().memory_analysis().temp_size_in_bytes)
+
+
+def rel_err(got, want) -> float:
+    return max(
+        float(jnp.max(jnp.abs(a - b)) / jnp.max(jnp.abs(b)))
+        for a, b in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want),
+                        strict=True)
+    )  # fmt: skip
+
+
+def _auto_case(case: str):
+    """(jremat.auto keywords, step of a loss, loss, args) for one way users call `auto`."""
+    m = M.mlp_chain(depth=4, width=16, batch=2048)
+    mesh = jax.make_mesh((2, 4), ("data", "model"), axis_types=(AUTO, AUTO))
+    grad = jax.grad
+    loss, args, kw = m.loss, m.args, {}
+    if case == "committed data+tensor":
+        args = put(m.args, mlp_shardings(m.params, "data", "model"), mesh)
+    elif case == "committed batch, uncommitted params":
+        args = (m.params, jax.device_put(m.args[1], NamedSharding(mesh, P("data"))))
+    elif case == "prevent_cse=False":
+        kw = {"prevent_cse": False}
+    elif case == "has_aux":
+        kw = {"has_aux": True}
+        loss = lambda p, x: (m.loss(p, x), {"loss": m.loss(p, x)})  # noqa: E731
+        grad = lambda f: jax.grad(f, has_aux=True)  # noqa: E731
+    elif case == "static string":
+        loss = lambda p, x, mode: m.loss(p, x) * (2.0 if mode == "double" else 1.0)  # noqa: E731
+        args = (*m.args, "double")
+    return kw, grad, loss, args
+
+
+AUTO_CASES = ["unsharded", "committed data+tensor", "committed batch, uncommitted params",
+              "prevent_cse=False", "has_aux", "static string"]  # fmt: skip
+
+
+@pytest.mark.parametrize("case", AUTO_CASES)
+def test_auto_under_the_callers_jit_meets_its_budget_on_the_step_that_runs(case):
+    """Issue 28: on a host with 8 devices, `jax.jit(jax.grad(auto(loss)))` with no
+    `in_shardings` plans for the program that runs: unsharded arrays as the one-device
+    program they are, committed sharded arrays under the shardings they carry (read off the
+    caller's `jit`), and so with `prevent_cse=False`, `has_aux` and a static string argument.
+    The caller's own step meets the budget per device, with exact gradients."""
+    kw, grad, loss, args = _auto_case(case)
+    budget = 0.6
+    f = jremat.auto(loss, budget=budget, solver=M.SOLVER, plan_dir=False, **kw)
+    static = (2,) if case == "static string" else ()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # prevent_cse=False at the top level
+        got = jax.jit(grad(f), static_argnums=static)(*args)
+        step = jax.jit(grad(f), static_argnums=static)
+        temp = int(step.lower(*args).compile().memory_analysis().temp_size_in_bytes)
+    plain = jax.jit(grad(loss), static_argnums=static)
+    base = int(plain.lower(*args).compile().memory_analysis().temp_size_in_bytes)
+    (plan,) = f.plans.values()
+    assert not plan.is_identity
+    assert temp <= budget * base, (temp / base, plan.measured_temp_bytes / plan.baseline_temp_bytes)
+    assert rel_err(got, plain(*args)) <= 1e-5
+    sharded = case.startswith("committed")
+    # per-device figures where the arguments are sharded; the one-device program's otherwise
+    one_device = jax.jit(jax.value_and_grad(m_loss(loss, case))).lower(
+        *_unsharded(args, case)).compile().memory_analysis().temp_size_in_bytes  # fmt: skip
+    assert (plan.baseline_temp_bytes < one_device) == sharded
+
+
+def m_loss(loss, case):
+    if case == "has_aux":
+        return lambda p, x: loss(p, x)[0]
+    if case == "static string":
+        return lambda p, x: loss(p, x, "double")
+    return loss
+
+
+def _unsharded(args, case):
+    args = args[:2] if case == "static string" else args
+    return jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), args)
+
+
+def test_auto_under_nested_jits_reads_the_outer_arguments():
+    """`jit(step)` calling `jit(grad(auto(loss)))`: the inner jit's arguments are the outer
+    trace's inputs, whose committed shardings are read in turn."""
+    m = M.mlp_chain(depth=3, width=16, batch=2048)
+    mesh = jax.make_mesh((8,), ("data",), axis_types=(AUTO,))
+    args = put(m.args, mlp_shardings(m.params, "data", None), mesh)
+    f = jremat.auto(m.loss, budget=0.6, solver=M.SOLVER, plan_dir=False)
+    step = jax.jit(lambda p, x: jax.jit(jax.grad(f))(p, x))
+    got = step(*args)
+    assert rel_err(got, jax.jit(jax.grad(m.loss))(*args)) <= 1e-5
+    (plan,) = f.plans.values()
+    assert plan.baseline_temp_bytes == per_device_temp(m.loss, args)
+    assert running_temp(lambda p, x: jax.jit(jax.grad(f))(p, x), args) <= 0.6 * (
+        running_temp(jax.grad(m.loss), args)
+    )
 
 
 def test_auto_under_eager_grad_reads_the_concrete_shardings():

@@ -6,6 +6,7 @@ What differs and what was measured: docs/design.md#jax-versions.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
@@ -317,3 +318,107 @@ def hlo_text_flops(text: str, executable: Any) -> float | None:
     except Exception:  # noqa: BLE001 - another jaxlib, backend or HLO dialect: not readable
         return None
     return float(cost.get("flops", 0.0)) + float(cost.get("transcendentals", 0.0))
+
+
+def jaxpr_tracer(x: Any) -> Any:
+    """The tracer of a jaxpr trace (`jit`, a loop body) that `x` is or wraps, looking through
+    JVP/linearize/vmap tracers to their primal; None for a concrete value (or when it cannot
+    be told)."""
+    while isinstance(x, jax.core.Tracer):
+        if getattr(getattr(x, "_trace", None), "frame", None) is not None:
+            return x
+        inner = getattr(x, "primal", None)
+        if inner is None:
+            inner = getattr(x, "val", None)
+        if inner is None:
+            return None
+        x = inner
+    return None
+
+
+#: The functions whose frames hold a jit trace's inputs, by JAX file: `pjit._trace_for_jit`
+#: (the caller's arguments, flattened, and `jit`'s own `in_shardings`) and
+#: `partial_eval.trace_to_jaxpr` (0.10) / `trace_to_jaxpr_nocache` (0.12), which makes the
+#: trace and its input tracers. The same names on both lines (docs/design.md#sharding).
+_JIT_FRAME = ("pjit.py", "_trace_for_jit")
+_TRACE_FRAMES = ("partial_eval.py", ("trace_to_jaxpr", "trace_to_jaxpr_nocache"))
+
+
+@dataclasses.dataclass(frozen=True)
+class JitTrace:
+    """One `jax.jit` trace under way, read off the Python stack.
+
+    Attributes:
+      trace: the `DynamicJaxprTrace` its input tracers belong to.
+      in_tracers: those tracers, one per flattened (non-static) argument.
+      args: the caller's flattened arguments, in the same order: concrete arrays, NumPy
+        values, `ShapeDtypeStruct`s (`.lower`/`.trace`), or tracers of an enclosing trace.
+      in_shardings: `jit`'s own `in_shardings`, flattened; a leaf `jit` was not given one is
+        not a `jax.sharding.Sharding`.
+    """
+
+    trace: Any
+    in_tracers: tuple[Any, ...]
+    args: tuple[Any, ...]
+    in_shardings: tuple[Any, ...]
+
+
+def _frame_is(frame: Any, file: str, names: Any) -> bool:
+    code = frame.f_code
+    names = (names,) if isinstance(names, str) else names
+    return code.co_name in names and code.co_filename.endswith(file)
+
+
+def jit_traces() -> list[JitTrace]:
+    """The `jax.jit` traces the current call runs inside, innermost first ([] outside any, or
+    where JAX's frames do not have the expected form)."""
+    import sys
+
+    out: list[JitTrace] = []
+    pending = None  # the innermost trace frame not yet matched with its jit frame
+    frame = sys._getframe(1)
+    while frame is not None:
+        if _frame_is(frame, *_TRACE_FRAMES):
+            pending = frame
+        elif _frame_is(frame, *_JIT_FRAME) and pending is not None:
+            loc, tloc = frame.f_locals, pending.f_locals
+            try:
+                args = loc["args_ft"]
+                out.append(
+                    JitTrace(
+                        trace=tloc["trace"],
+                        in_tracers=tuple(getattr(tloc["in_tracers"], "vals", tloc["in_tracers"])),
+                        args=tuple(getattr(args, "vals", args)),
+                        in_shardings=tuple(loc["in_shardings_flat"]),
+                    )
+                )
+            except (KeyError, TypeError):
+                return []
+            pending = None
+        frame = frame.f_back
+    return [t for t in out if len(t.in_tracers) == len(t.args) == len(t.in_shardings)]
+
+
+#: Primitives that place values on devices or a mesh: a value downstream of one of them may
+#: be sharded whatever the trace's inputs are.
+PLACING_PRIMITIVES = frozenset(
+    {"sharding_constraint", "shard_map", "device_put", "mesh_cast", "reshard", "xla_pmap"}
+)
+
+
+def trace_places_values(trace: Any) -> bool:
+    """Whether the equations recorded so far in the jaxpr trace `trace` (nested jaxprs
+    included) hold one of `PLACING_PRIMITIVES`; True when they cannot be read."""
+    eqns = getattr(getattr(trace, "frame", None), "tracing_eqns", None)
+    if eqns is None:
+        return True
+    todo = [e() if callable(e) and not hasattr(e, "primitive") else e for e in eqns]
+    while todo:
+        e = todo.pop()
+        if e is None:
+            continue  # a dead weak reference: an equation already dropped
+        if getattr(getattr(e, "primitive", None), "name", None) in PLACING_PRIMITIVES:
+            return True
+        for inner in jex_core.jaxprs_in_params(getattr(e, "params", {})):
+            todo.extend(inner.eqns)
+    return False

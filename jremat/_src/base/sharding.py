@@ -85,11 +85,86 @@ def leaf_sharding(x: Any) -> Any:
         if isinstance(s, NamedSharding) and explicit_axes(s.mesh):
             return s
         inner = _compat.concrete_primal(x)  # grad/vmap of a concrete array: its placement
-        return None if inner is None or _compat.is_tracer(inner) else leaf_sharding(inner)
+        if inner is not None and not _compat.is_tracer(inner):
+            return leaf_sharding(inner)
+        return traced_placement(x)[1]
     s = getattr(x, "sharding", None)
     if isinstance(s, NamedSharding) and s.mesh.size > 1:
         return s
     return None
+
+
+def traced_placement(x: Any) -> tuple[str, Any]:
+    """How a leaf traced inside `jax.jit` in JAX's default (Auto) sharding mode is placed,
+    where its tracer does not say: read from the `jit` traces under way (`compat.jit_traces`).
+
+    An input of the innermost `jit` trace takes `jit`'s own `in_shardings` entry where one was
+    given, else the placement of the argument the caller passed: a concrete array's sharding
+    (its committed `NamedSharding`; one device: not sharded), a `ShapeDtypeStruct`'s, a NumPy
+    value (not sharded), or for a tracer of an enclosing `jit`, its placement there, in turn.
+    A value computed inside the trace is not sharded when nothing the trace takes is (a
+    one-device program on a host with many devices); otherwise GSPMD decides its sharding
+    when the caller's program compiles, and it is unknown here.
+
+    Returns:
+      ("sharded", NamedSharding), ("unsharded", None), or ("unknown", None).
+    """
+    traces = _compat.jit_traces()
+    t = _compat.jaxpr_tracer(x)
+    for k, jt in enumerate(traces):
+        if t is None:
+            return _value_placement(x)
+        if getattr(t, "_trace", None) is not jt.trace:
+            return ("unknown", None)  # a loop body's or another trace's value
+        idx = next((i for i, a in enumerate(jt.in_tracers) if a is t), None)
+        if idx is None:  # computed in the trace: sharded only where something placed it
+            unsharded = not _compat.trace_places_values(jt.trace) and all(
+                _input_placement(traces, k, i)[0] == "unsharded" for i in range(len(jt.args))
+            )
+            return ("unsharded", None) if unsharded else ("unknown", None)
+        given = jt.in_shardings[idx]
+        if isinstance(given, jax.sharding.Sharding):
+            return _sharding_placement(given)
+        x = jt.args[idx]
+        t = _compat.jaxpr_tracer(x)
+    return ("unknown", None) if t is not None else _value_placement(x)
+
+
+def _input_placement(traces: Sequence[Any], k: int, i: int) -> tuple[str, Any]:
+    """`traced_placement` of input `i` of `traces[k]`."""
+    jt = traces[k]
+    if isinstance(jt.in_shardings[i], jax.sharding.Sharding):
+        return _sharding_placement(jt.in_shardings[i])
+    x = jt.args[i]
+    t = _compat.jaxpr_tracer(x)
+    if t is None:
+        return _value_placement(x)
+    if k + 1 < len(traces) and getattr(t, "_trace", None) is traces[k + 1].trace:
+        idx = next((j for j, a in enumerate(traces[k + 1].in_tracers) if a is t), None)
+        if idx is not None:
+            return _input_placement(traces, k + 1, idx)
+    return ("unknown", None)
+
+
+def _value_placement(x: Any) -> tuple[str, Any]:
+    """The placement of a concrete argument (or one a JVP/vmap tracer wraps)."""
+    inner = _compat.concrete_primal(x)
+    s = getattr(inner, "sharding", None)
+    if s is None:
+        return ("unsharded", None)  # NumPy values and Python scalars; ShapeDtypeStruct()
+    return _sharding_placement(s)
+
+
+def _sharding_placement(s: Any) -> tuple[str, Any]:
+    if isinstance(s, NamedSharding) and not _is_manual(s.mesh):
+        if s.mesh.size == 1:
+            return ("unsharded", None)
+        if not isinstance(s.mesh, jax.sharding.Mesh):
+            return ("sharded", NamedSharding(concrete_mesh(s.mesh), s.spec))
+        return ("sharded", s)
+    if len(getattr(s, "device_set", ())) == 1:
+        return ("unsharded", None)  # SingleDeviceSharding, or any sharding over one device
+    return ("unknown", None)
 
 
 def _is_manual(mesh: Any) -> bool:
@@ -297,7 +372,10 @@ def check_known(args: Sequence[Any], avals: Sequence[Any], in_shardings: Any = N
     hidden = [
         i
         for i, (x, av) in enumerate(zip(flat, flat_avals, strict=True))
-        if _compat.is_jaxpr_traced(x) and leaf_sharding(av) is None and hasattr(x, "shape")
+        if _compat.is_jaxpr_traced(x)
+        and leaf_sharding(av) is None
+        and hasattr(x, "shape")
+        and traced_placement(x)[0] == "unknown"
     ]
     mesh = _ambient_mesh()
     if mesh is not None and explicit_axes(mesh):
