@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import jremat
 
 jremat.log_to_stderr()  # progress on stderr (jremat is quiet by default)
-k = jax.random.split(jax.random.PRNGKey(0), 9)
+k = jax.random.split(jax.random.key(0), 9)
 params = [
     (jax.random.normal(k[i], (128, 256)) / 11, jax.random.normal(k[i + 4], (256, 128)) / 16)
     for i in range(4)

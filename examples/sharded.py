@@ -69,8 +69,8 @@ def max_diff(a, b):
     )
 
 
-params = init(jax.random.PRNGKey(0))
-tokens = jax.random.randint(jax.random.PRNGKey(1), (BATCH, SEQ + 1), 0, VOCAB)
+params = init(jax.random.key(0))
+tokens = jax.random.randint(jax.random.key(1), (BATCH, SEQ + 1), 0, VOCAB)
 
 # -- sharded jit: batch over "data", Megatron tensor parallelism over "model" ------------------
 mesh = jax.make_mesh((2, 4), ("data", "model"), axis_types=(jax.sharding.AxisType.Auto,) * 2)

@@ -53,7 +53,7 @@ def mlp_chain(
     depth: int = 10, width: int = 8, batch: int = 512, mult: int = 8, dtype=jnp.float32
 ) -> Model:
     """x <- x + W2 tanh(W1 rmsnorm(x)) per layer (hidden width `mult * width`); loss mean(x^2)."""
-    keys = jax.random.split(jax.random.PRNGKey(0), 2 * depth + 1)
+    keys = jax.random.split(jax.random.key(0), 2 * depth + 1)
     params = [
         {
             "w1": _normal(keys[2 * i], (width, mult * width), width**-0.5, dtype),
@@ -84,7 +84,7 @@ def decoder(
 ) -> Model:
     """Pre-norm decoder: causal multi-head self-attention + GELU MLP per layer; next-token
     cross-entropy. Tokens are embedded (and targets scored) through one-hot matmuls."""
-    k = iter(jax.random.split(jax.random.PRNGKey(1), 4 * depth + 4))
+    k = iter(jax.random.split(jax.random.key(1), 4 * depth + 4))
     params = {
         "embed": _normal(next(k), (vocab, d), 0.5),
         "pos": _normal(next(k), (seq, d), 0.5),
@@ -130,7 +130,7 @@ def _conv(x, w):
 
 def unet(depth: int = 2, channels: int = 2, size: int = 32, batch: int = 4) -> Model:
     """`depth` conv+pool down blocks, then upsample+concat(skip)+conv blocks, 1x1 head."""
-    key = jax.random.PRNGKey(2)
+    key = jax.random.key(2)
     down, up, c = [], [], 3
     for i in range(depth):
         down.append(_normal(jax.random.fold_in(key, i), (3, 3, c, channels * 2**i), 0.2))
@@ -170,7 +170,7 @@ def unet(depth: int = 2, channels: int = 2, size: int = 32, batch: int = 4) -> M
 def scan_layers(depth: int = 4, width: int = 32, batch: int = 128, unroll: bool = False) -> Model:
     """The MLP chain with stacked weights and `lax.scan` over the layers (or a Python loop
     over the same stacked weights when `unroll=True`: the same arithmetic, unrolled)."""
-    k1, k2, k3 = jax.random.split(jax.random.PRNGKey(3), 3)
+    k1, k2, k3 = jax.random.split(jax.random.key(3), 3)
     params = {
         "w1": _normal(k1, (depth, width, 2 * width), width**-0.5),
         "w2": _normal(k2, (depth, 2 * width, width), (2 * width) ** -0.5),
@@ -194,7 +194,7 @@ def scan_layers(depth: int = 4, width: int = 32, batch: int = 128, unroll: bool 
 # -- lax.cond ---------------------------------------------------------------------------------
 def cond_model(depth: int = 3, width: int = 32, batch: int = 128) -> Model:
     """Per layer, `lax.cond` on a data-dependent predicate chooses between two branches."""
-    keys = jax.random.split(jax.random.PRNGKey(4), 2 * depth + 1)
+    keys = jax.random.split(jax.random.key(4), 2 * depth + 1)
     params = [
         {
             "a": _normal(keys[2 * i], (width, width), width**-0.5),
@@ -241,7 +241,7 @@ scaled_softplus.defvjp(_ssp_fwd, _ssp_bwd)
 
 
 def custom_vjp_model(depth: int = 3, width: int = 32, batch: int = 128) -> Model:
-    keys = jax.random.split(jax.random.PRNGKey(5), 2 * depth + 1)
+    keys = jax.random.split(jax.random.key(5), 2 * depth + 1)
     params = [
         {
             "w": _normal(keys[2 * i], (width, width), width**-0.5),
@@ -275,7 +275,7 @@ def dropout_model(depth: int = 3, width: int = 32, batch: int = 128, rate: float
                 x = x + h @ p["w2"]
         return jnp.mean(x**2)
 
-    return Model("dropout", loss, (params, x, jax.random.PRNGKey(42)))
+    return Model("dropout", loss, (params, x, jax.random.key(42)))
 
 
 # -- bf16 activations -------------------------------------------------------------------------

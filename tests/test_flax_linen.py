@@ -352,7 +352,7 @@ def test_undeclared_train_flag_and_methods_given_as_functions():
 
     x = jnp.ones((8, 8))
     planned = net(jremat.auto(Block, budget=0.9, verify=False))
-    v = planned.init(jax.random.PRNGKey(0), x)
+    v = planned.init(jax.random.key(0), x)
     got = jax.jit(jax.grad(lambda v, x: planned.apply(v, x, True)))(v, x)
     want = jax.grad(lambda v, x: net(Block).apply(v, x, True))(v, x)
     chex.assert_trees_all_close(got, want, rtol=1e-5)

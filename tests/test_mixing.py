@@ -19,7 +19,7 @@ from jremat._src.trace.layers import layer_segments
 
 
 def _scan_program(reverse: bool):
-    k1, k2 = jax.random.split(jax.random.PRNGKey(0))
+    k1, k2 = jax.random.split(jax.random.key(0))
     w = jax.random.normal(k1, (8, 64, 64)) / 8
     x = jax.random.normal(k2, (256, 64))
 

@@ -276,7 +276,7 @@ def test_unverified_offload_plan_says_cpu_cannot_confirm(prog):
 
 
 def test_auto_takes_offload_and_keys_plans_by_it():
-    k1, k2 = jax.random.split(jax.random.PRNGKey(1))
+    k1, k2 = jax.random.split(jax.random.key(1))
     ws = [jax.random.normal(k, (64, 64)) / 8 for k in jax.random.split(k1, 6)]
     x = jax.random.normal(k2, (256, 64))
 

@@ -61,7 +61,7 @@ FRACTIONS = (0.0, 0.05, 0.15, 0.3, 0.5, 0.7, 0.9, 1.0)
 def _residual_mlp(acts, hidden: int, seed: int):
     """len(acts) named layers x <- x + W2 act(W1 x), width 8, batch 16; loss mean(x^2)."""
     depth, width, batch = len(acts), 8, 16
-    keys = jax.random.split(jax.random.PRNGKey(seed), 2 * depth + 1)
+    keys = jax.random.split(jax.random.key(seed), 2 * depth + 1)
     params = [
         {
             "w1": jax.random.normal(keys[2 * i], (width, hidden)) * width**-0.5,

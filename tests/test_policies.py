@@ -39,7 +39,7 @@ def not_args(lines):
 
 # -- a small per-layer model ------------------------------------------------------------------
 def _model(depth=3, width=16, batch=64):
-    ks = jax.random.split(jax.random.PRNGKey(11), 2 * depth + 1)
+    ks = jax.random.split(jax.random.key(11), 2 * depth + 1)
     params = [
         {
             "w1": jax.random.normal(ks[2 * i], (width, 4 * width)) / 4,

@@ -28,7 +28,7 @@ def loss(params, x):
 
 @pytest.fixture(scope="module")
 def planned():
-    k = jax.random.split(jax.random.PRNGKey(0), 7)
+    k = jax.random.split(jax.random.key(0), 7)
     params = [
         {
             "w1": jax.random.normal(k[i], (16, 64)) * 0.2,

@@ -163,7 +163,7 @@ def test_pytree_outputs_and_has_aux(cache):
 
 def test_captured_constants_and_argnums_1(remat3):
     """A function closing over an array (a jaxpr constant) and differentiated in argument 1."""
-    w_fixed = jax.random.normal(jax.random.PRNGKey(9), (16, 16)) / 4.0
+    w_fixed = jax.random.normal(jax.random.key(9), (16, 16)) / 4.0
 
     def loss(x, params):
         for i, w in enumerate(params):
@@ -171,8 +171,8 @@ def test_captured_constants_and_argnums_1(remat3):
                 x = x + jnp.tanh(x @ w) @ w_fixed
         return jnp.mean(x**2)
 
-    params = [jax.random.normal(jax.random.PRNGKey(i), (16, 16)) / 4.0 for i in range(3)]
-    x = jax.random.normal(jax.random.PRNGKey(5), (64, 16))
+    params = [jax.random.normal(jax.random.key(i), (16, 16)) / 4.0 for i in range(3)]
+    x = jax.random.normal(jax.random.key(5), (64, 16))
     plan = recipe_plan(jremat.trace(loss, x, params, argnums=1), "nothing_saveable", "layers")
     assert sum(s.checkpointed for s in plan.segments) == 3
     f = jremat.rematerialize(loss, plan)

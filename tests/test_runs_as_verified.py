@@ -167,7 +167,7 @@ def test_custom_jvp_nondiff_array_in_scan_is_named():
 
 
 def _two_layer_mlp(n_layers=2):
-    k = jax.random.split(jax.random.PRNGKey(0), 5)
+    k = jax.random.split(jax.random.key(0), 5)
     params = [
         (jax.random.normal(k[i], (128, 256)) / 11, jax.random.normal(k[i + 2], (256, 128)) / 16)
         for i in range(n_layers)

@@ -15,7 +15,7 @@ from jremat._src.training.training_plan import _measure, _value_and_grad
 
 def _mlp(depth: int = 6, width: int = 16, batch: int = 128, mult: int = 4):
     """Residual tanh MLP regression; activations (batch x 4*width per layer) dominate temp."""
-    keys = jax.random.split(jax.random.PRNGKey(0), 2 * depth + 2)
+    keys = jax.random.split(jax.random.key(0), 2 * depth + 2)
     params = [
         {
             "w1": jax.random.normal(keys[2 * i], (width, mult * width)) * width**-0.5,
