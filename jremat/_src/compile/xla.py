@@ -118,12 +118,15 @@ def compile_step(
 def step_grad(
     fn: Callable[..., Any], argnums: tuple[int, ...], has_aux: bool = False, value: bool = True
 ) -> Any:
-    """`jax.value_and_grad(fn, argnums, has_aux=has_aux)`: the training step jremat compiles
-    (with `has_aux`, `fn` returns `(loss, aux)` and the step computes both); `jax.grad` when
-    not `value` (the step of a caller that drops the loss)."""
+    """`jax.value_and_grad(fn, argnums, has_aux=has_aux, allow_int=True)`: the training step
+    jremat compiles (with `has_aux`, `fn` returns `(loss, aux)` and the step computes both);
+    `jax.grad` when not `value` (the step of a caller that drops the loss). `allow_int`: an
+    integer leaf among the differentiated arguments (a step counter in the
+    parameters, as `jax.grad(..., allow_int=True)` and `jax.vjp` accept) gets a float0
+    cotangent, as in the caller's backward pass, instead of failing the plan's compile."""
     nums = argnums[0] if len(argnums) == 1 else argnums
     grad = jax.value_and_grad if value else jax.grad
-    return grad(fn, argnums=nums, has_aux=has_aux)
+    return grad(fn, argnums=nums, has_aux=has_aux, allow_int=True)
 
 
 def step_flops(
