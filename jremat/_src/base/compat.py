@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 from collections.abc import Sequence
 from typing import Any
 
@@ -89,19 +90,42 @@ def scan_length(eqn: Any) -> int:
 
 
 def aval_nbytes(aval: Any) -> int:
-    """Bytes one value of abstract value `aval` occupies (PRNG keys count their key data)."""
+    """Bytes one value of abstract value `aval` occupies (`dtype_itemsize` per element: PRNG
+    key arrays count their key data); 0 for a value without a dtype."""
     shape = getattr(aval, "shape", ())
     dtype = getattr(aval, "dtype", None)
     size = int(np.prod(shape, dtype=np.int64)) if shape else 1
     if dtype is None:
         return 0
+    return size * dtype_itemsize(dtype)
+
+
+def is_extended_dtype(dtype: Any) -> bool:
+    """Whether `dtype` is one of JAX's extended dtypes (a typed PRNG key's `key<fry>`), which
+    numpy does not know: `np.dtype(...)` of it, or of its name, raises TypeError. Such a dtype
+    builds avals only as the dtype object itself (`jax.ShapeDtypeStruct(shape, dtype)`)."""
     try:
-        itemsize = np.dtype(dtype).itemsize
-    except TypeError:  # extended dtypes such as PRNG keys
-        impl = getattr(dtype, "_impl", None)
-        key_shape = getattr(impl, "key_shape", (2,))
-        itemsize = 4 * int(np.prod(key_shape))
-    return size * itemsize
+        return bool(jax.dtypes.issubdtype(dtype, jax.dtypes.extended))
+    except TypeError:  # a name numpy does not know, or not a dtype at all
+        return False
+
+
+@functools.lru_cache(maxsize=64)
+def dtype_itemsize(dtype: Any) -> int:
+    """Bytes per element of `dtype` (a numpy dtype, a name, or an extended dtype object): an
+    extended dtype's are those of its physical data, e.g. 8 for a threefry key (`key<fry>`,
+    two uint32s: `jax.random.key_data`), 16 for an rbg key; float0 has 0.
+
+    Raises:
+      TypeError: `dtype` is neither a numpy dtype (or name) nor an extended dtype object.
+    """
+    if not is_extended_dtype(dtype):
+        return int(np.dtype(dtype).itemsize)
+    if jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key):
+        data = jax.eval_shape(jax.random.key_data, jax.ShapeDtypeStruct((), dtype))
+    else:  # another extended dtype: its physical element (jax internals, 0.10 and 0.12)
+        data = dtype._rules.physical_element_aval(dtype)
+    return int(np.prod(data.shape, dtype=np.int64)) * int(np.dtype(data.dtype).itemsize)
 
 
 def is_float_dtype(dtype: Any) -> bool:

@@ -46,7 +46,7 @@ from jremat._src.plan.recipes import (
 )
 from jremat._src.plan.rewrite import graph_function, holds_tracers, rematerialize
 from jremat._src.trace.graph import Graph, build_graph
-from jremat._src.trace.layers import has_scan
+from jremat._src.trace.layers import has_checks, has_scan
 
 logger = logging.getLogger(__name__)
 
@@ -152,6 +152,8 @@ class Program:
         self.manual_axes = manual_axes()
         self._baseline: Compiled | None = None
         self.has_scan = has_scan(self.graph)
+        #: `fn` holds `checkify.check`s: its steps compile checkified (`xla.compile_step`)
+        self.checks = has_checks(self.graph)
         self._planners: dict = {}
         self._steps: dict[str, tuple[Compiled, Any, float]] = {}
         self._runnable: set[str] = set()  # keys of `_steps` compiled to run (`step`)
@@ -302,7 +304,13 @@ class Program:
         if found is None:
             f = self.objective.step_fn(self, plan)
             exe = compile_step(
-                f, self.args, self.nums, self.has_aux, value=False, figures_only=True
+                f,
+                self.args,
+                self.nums,
+                self.has_aux,
+                value=False,
+                figures_only=True,
+                checks=self.checks,
             )
             found = MemoryFigures.of(exe).temp_bytes
             with self._lock:
@@ -341,6 +349,7 @@ class Program:
             scan_flops=scan_flops,
             has_aux=self.has_aux,
             figures_only=figures_only,
+            checks=self.checks,
         )
 
     @property

@@ -10,6 +10,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
+from jax.experimental import checkify
 
 from jremat._src.base import compat as _compat
 from jremat._src.base import sharding
@@ -106,24 +107,34 @@ def compile_step(
     has_aux: bool = False,
     value: bool = True,
     figures_only: bool = False,
+    checks: bool = False,
 ) -> Any:
     """Lower and compile `jit(value_and_grad(fn, argnums, has_aux))` (`jit(grad(...))` when
     not `value`) for `args` (arrays or avals, whose shardings it compiles under:
-    `memory_analysis()` is then per device); `figures_only` as in `compile_jitted`."""
-    return compile_jitted(
-        jax.jit(step_grad(fn, argnums, has_aux, value)), args, figures_only=figures_only
-    )
+    `memory_analysis()` is then per device); `figures_only` as in `compile_jitted`.
+
+    `checks`: `fn` holds `checkify.check`s (it runs inside the caller's `checkify.checkify`),
+    which XLA cannot lower unfunctionalized: the step compiled is
+    `checkify.checkify(step, errors=checkify.user_checks)`, as the caller's checkify runs it
+    (its error values among the outputs)."""
+    step = step_grad(fn, argnums, has_aux, value)
+    if checks:
+        step = checkify.checkify(step, errors=checkify.user_checks)
+    return compile_jitted(jax.jit(step), args, figures_only=figures_only)
 
 
 def step_grad(
     fn: Callable[..., Any], argnums: tuple[int, ...], has_aux: bool = False, value: bool = True
 ) -> Any:
-    """`jax.value_and_grad(fn, argnums, has_aux=has_aux)`: the training step jremat compiles
-    (with `has_aux`, `fn` returns `(loss, aux)` and the step computes both); `jax.grad` when
-    not `value` (the step of a caller that drops the loss)."""
+    """`jax.value_and_grad(fn, argnums, has_aux=has_aux, allow_int=True)`: the training step
+    jremat compiles (with `has_aux`, `fn` returns `(loss, aux)` and the step computes both);
+    `jax.grad` when not `value` (the step of a caller that drops the loss). `allow_int`: an
+    integer leaf among the differentiated arguments (a step counter in the
+    parameters, as `jax.grad(..., allow_int=True)` and `jax.vjp` accept) gets a float0
+    cotangent, as in the caller's backward pass, instead of failing the plan's compile."""
     nums = argnums[0] if len(argnums) == 1 else argnums
     grad = jax.value_and_grad if value else jax.grad
-    return grad(fn, argnums=nums, has_aux=has_aux)
+    return grad(fn, argnums=nums, has_aux=has_aux, allow_int=True)
 
 
 def step_flops(
@@ -180,8 +191,9 @@ def compile_figures(
     scan_flops: bool = True,
     has_aux: bool = False,
     figures_only: bool = False,
+    checks: bool = False,
 ) -> tuple[Any, float]:
-    """`compile_step` (`figures_only` as in `compile_jitted`) and its FLOPs (scan bodies
+    """`compile_step` (`figures_only` and `checks` as there) and its FLOPs (scan bodies
     counted once per trip, when `scan_flops`).
 
     With `manual_axes` ({name: size}, `base.sharding.manual_axes()` inside a `shard_map`
@@ -196,10 +208,12 @@ def compile_figures(
     """
 
     def run(f: Callable[..., Any], a: Sequence[Any], spmd: bool) -> tuple[Any, float]:
-        exe = compile_step(f, a, argnums, has_aux, figures_only=figures_only)
+        exe = compile_step(f, a, argnums, has_aux, figures_only=figures_only, checks=checks)
         flops = step_flops(exe, f, a, argnums, scan_flops=scan_flops, spmd=spmd, has_aux=has_aux)
         if not spmd:  # a shard_map body: also the step that drops the loss
-            alone = compile_step(f, a, argnums, has_aux, value=False, figures_only=True)
+            alone = compile_step(
+                f, a, argnums, has_aux, value=False, figures_only=True, checks=checks
+            )
             if MemoryFigures.of(alone).temp_bytes > MemoryFigures.of(exe).temp_bytes:
                 # its memory figures (a body's step is never run); the FLOPs stay the step's
                 exe = alone

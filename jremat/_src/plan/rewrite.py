@@ -314,9 +314,7 @@ def drop_unkept_names(graph: Graph, plan: Plan) -> Plan:
         if seg.policy != SAVE_NAMES or not (seg.saved or seg.offloaded):
             continue
         live_in, _, seg_fn = _segment_fn(graph, seg, plan.scans)
-        avals = [
-            jax.ShapeDtypeStruct(graph.values[v].shape, graph.values[v].dtype) for v in live_in
-        ]
+        avals = [graph.values[v].struct for v in live_in]
         diff = [v in tangent and graph.values[v].is_float for v in live_in]
         # every name saved (offloaded ones too): which of them the backward pass reads
         names = [residual_name(v) for v in [*seg.saved, *seg.offloaded]]
@@ -375,9 +373,7 @@ def check_replayable(graph: Graph, name: str) -> None:
     """
     if not _nested_custom_jvp([n.eqn for n in graph.nodes]):
         return
-    avals = [
-        jax.ShapeDtypeStruct(graph.values[i].shape, graph.values[i].dtype) for i in graph.invars
-    ]
+    avals = [graph.values[i].struct for i in graph.invars]
 
     probe = Plan.identity(graph)  # every scan's body replayed from its jaxpr, nested as plans do
     probe.scans = {

@@ -158,8 +158,11 @@ def plan(
         `in_shardings` (or an entry's leaf) or `mesh` of another type; `offload` is not one of
         the accepted forms; `verify` not a bool; `max_rounds` or `max_cuts` not an int (a
         bool included).
-      ValueError: JAX cannot build `fn`'s reverse derivative and the budget is not a
-        fraction >= 1 (the message quotes JAX's reason and names budget=1.0).
+      InfeasibleBudgetError: also for a fraction below 1 where nothing can be
+        rematerialized: `fn` traces to no equations, or JAX cannot build its reverse
+        derivative (the message quotes JAX's reason and names budget=1.0).
+      ValueError: JAX cannot build `fn`'s reverse derivative and the budget is in bytes
+        (the message quotes JAX's reason and names budget=1.0).
       ValueError (sharding): `in_shardings` does not match the arguments, a `PartitionSpec`
         without a mesh, or a mesh needing more devices than exist (docs/design.md#sharding).
     """
@@ -599,23 +602,34 @@ def _no_reverse_derivative(prog: Program, spec: Budget, error: Exception) -> Pla
 
     Raises:
       the compile's own error, when the reverse derivative traces (another fault);
-      ValueError: naming the budget and JAX's reason, for a budget below 1.
+      InfeasibleBudgetError: a fraction below 1, which nothing can reach (as for a program of
+        no equations: `Budget.nothing_to_rematerialize`), naming JAX's reason;
+      ValueError: a byte budget, which cannot be checked (there is no backward step to
+        compile), naming JAX's reason and budget=1.0.
     """
     try:
         jax.eval_shape(step_grad(prog.fn, prog.nums, prog.has_aux), *prog.args)
     except Exception as reason:  # noqa: BLE001 - JAX's reason, quoted below
+        why = str(reason).splitlines()[0]
         if spec.fraction is not None and spec.fraction >= 1:
             p = Plan.identity(prog.graph, budget=spec.raw, budget_temp_bytes=None)
             p.notes.append(
-                "no reverse derivative (jax.value_and_grad fails: "
-                f"{str(reason).splitlines()[0]}): nothing to plan, fn runs unchanged"
+                f"no reverse derivative (jax.value_and_grad fails: {why}): nothing to plan, "
+                "fn runs unchanged"
             )
             return p.annotate(prog.graph)
+        infeasible = spec.nothing_to_rematerialize(
+            "jremat plans the backward pass of jax.value_and_grad(fn), which JAX cannot build "
+            f"for this fn ({why}); used only forward (jax.linearize, jax.jvp) it has no "
+            "backward pass"
+        )
+        if infeasible is not None:
+            raise infeasible from None
         raise ValueError(
             f"budget={spec.raw!r}: jremat plans the backward pass of jax.value_and_grad(fn), "
-            f"which JAX cannot build for this fn ({str(reason).splitlines()[0]}). Used only "
-            "forward (jax.linearize, jax.jvp) there is nothing to rematerialize: pass "
-            "budget=1.0 to run fn unchanged."
+            f"which JAX cannot build for this fn ({why}), so a byte budget cannot be checked. "
+            "Used only forward (jax.linearize, jax.jvp) there is nothing to rematerialize: "
+            "pass budget=1.0 to run fn unchanged."
         ) from None
     raise error
 

@@ -31,9 +31,12 @@ CONST = -2  # producer index of a captured constant
 class Value:
     """One array in the program: `nbytes` on each device, produced by node `producer`.
 
-    `shape` is the global shape. Under sharding (docs/design.md#sharding) `spec` holds the mesh
-    axes of each dimension, `nbytes` the bytes of one device's shard and `global_nbytes` those
-    of the whole array; unsharded, both byte counts agree and `spec` is None.
+    `shape` is the global shape. `dtype` is the dtype's name (text: fingerprints, reports);
+    `jax_dtype` the dtype object itself (a numpy dtype, or JAX's extended dtype of a typed
+    PRNG key array, whose name "key<fry>" numpy does not know), from which `struct` builds the
+    value's aval. Under sharding (docs/design.md#sharding) `spec` holds the mesh axes of each
+    dimension, `nbytes` the bytes of one device's shard and `global_nbytes` those of the whole
+    array; unsharded, both byte counts agree and `spec` is None.
     """
 
     id: int
@@ -44,6 +47,15 @@ class Value:
     is_float: bool
     global_nbytes: int | None = None
     spec: tuple[tuple[str, ...], ...] | None = None
+    jax_dtype: Any = dataclasses.field(default=None, compare=False, repr=False)
+
+    @property
+    def struct(self) -> jax.ShapeDtypeStruct:
+        """The value's global aval, `jax.ShapeDtypeStruct(shape, jax_dtype)` (extended dtypes
+        too: built from the dtype object, never its name)."""
+        return jax.ShapeDtypeStruct(
+            self.shape, self.dtype if self.jax_dtype is None else self.jax_dtype
+        )
 
 
 @dataclasses.dataclass
@@ -144,6 +156,7 @@ class _Builder:
                 is_float=_compat.is_float_dtype(dtype),
                 global_nbytes=nbytes,
                 spec=spec,
+                jax_dtype=dtype,
             )
         )
         return vid

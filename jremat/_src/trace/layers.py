@@ -291,9 +291,21 @@ def candidate_cuts(graph: Graph, max_cuts: int = 160, layers: bool = True) -> li
 
 
 def has_scan(graph: Graph) -> bool:
+    return _has_primitive(graph, "scan")
+
+
+def has_checks(graph: Graph) -> bool:
+    """Whether the program holds a `checkify.check` (`check` primitive), at any depth: it is
+    traced inside the caller's `checkify.checkify`, and compiles only functionalized."""
+    return _has_primitive(graph, "check")
+
+
+def _has_primitive(graph: Graph, name: str) -> bool:
+    """Whether an equation of primitive `name` is in the graph or in a body it holds."""
+
     def walk(eqns) -> bool:
         return any(
-            e.primitive.name == "scan" or any(walk(j.eqns) for j in subjaxprs(e)) for e in eqns
+            e.primitive.name == name or any(walk(j.eqns) for j in subjaxprs(e)) for e in eqns
         )
 
     return walk([n.eqn for n in graph.nodes])

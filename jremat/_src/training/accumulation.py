@@ -20,6 +20,8 @@ import numpy as np
 import optax
 from optax import MultiStepsState
 
+from jremat._src.base import compat as _compat
+
 __all__ = [
     "MultiStepsState",
     "accumulate",
@@ -387,7 +389,8 @@ def _leaf_bytes(x: Any) -> int:
     dtype = getattr(x, "dtype", None)
     if shape is None or dtype is None:
         return int(np.asarray(x).nbytes)
-    return int(math.prod(shape)) * int(jnp.dtype(dtype).itemsize)
+    # dtype_itemsize: a typed PRNG key's dtype (`key<fry>`) is no numpy dtype
+    return int(math.prod(shape)) * _compat.dtype_itemsize(dtype)
 
 
 def state_bytes(state: Any) -> int:
