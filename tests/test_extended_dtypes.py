@@ -3,8 +3,8 @@
 streams (linen `rngs=`, `nnx.Rngs`), integer leaves with float0 cotangents; and programs
 traced inside `checkify.checkify`.
 
-Gradients are compared with the unrematerialized program's (rtol 1e-5, f32). Inside `jax.jit`
-on more than one device `jremat.auto` needs the arguments' shardings (`SHARD`).
+Gradients are compared with the unrematerialized program's (rtol 1e-5, f32). The suite's 8 host
+devices stand in for a GPU node: unsharded arguments under `jax.jit` need no `in_shardings`.
 """
 
 from __future__ import annotations
@@ -25,8 +25,6 @@ from jremat._src.plan.plan import SAVE_NAMES, Plan, Segment
 from jremat._src.plan.rewrite import drop_unkept_names, segment_io
 from jremat._src.training.accumulation import state_bytes
 
-#: inside jax.jit with several devices the tracers do not say how they are sharded
-SHARD = {"in_shardings": jax.sharding.PartitionSpec()} if jax.device_count() > 1 else {}
 KEY_MAKERS = {"typed": jax.random.key, "legacy": jax.random.PRNGKey}
 LAYERS, WIDTH = 8, 64
 WS = [jax.random.normal(jax.random.key(i), (WIDTH, WIDTH)) * 0.1 for i in range(LAYERS)]
@@ -106,7 +104,7 @@ class KeyLossTest(chex.TestCase):
     def test_dropout_loss_gradients_equal_and_temp_within_budget(self):
         for make in KEY_MAKERS.values():  # typed, then legacy uint32 keys: planned apart
             key = make(3)
-            wrapped = jremat.auto(dropout_loss, budget=0.8, **SHARD)
+            wrapped = jremat.auto(dropout_loss, budget=0.8)
             grads = self.variant(jax.grad(wrapped))(WS, X, key)
             assert_close(grads, jax.grad(dropout_loss)(WS, X, key))
             p = _only_plan(wrapped)
@@ -117,7 +115,7 @@ class KeyLossTest(chex.TestCase):
     def test_scan_with_custom_jvp_and_a_key(self):
         ws = jnp.stack(WS[:6])
         key = jax.random.key(4)
-        wrapped = jremat.auto(scan_loss, budget=0.8, **SHARD)
+        wrapped = jremat.auto(scan_loss, budget=0.8)
         grads = self.variant(jax.grad(wrapped))(ws, X, key)
         assert_close(grads, jax.grad(scan_loss)(ws, X, key))
         p = _only_plan(wrapped)
@@ -153,7 +151,7 @@ PARAMS = {"ws": WS, "scale": jnp.int32(3)}
 class IntLeafTest(chex.TestCase):
     @chex.variants(with_jit=True, without_jit=True)
     def test_grad_allow_int_gives_float0_and_equal_gradients(self):
-        wrapped = jremat.auto(int_leaf_loss, budget=0.8, **SHARD)
+        wrapped = jremat.auto(int_leaf_loss, budget=0.8)
         got = self.variant(jax.grad(wrapped, allow_int=True))(PARAMS, X)
         want = jax.grad(int_leaf_loss, allow_int=True)(PARAMS, X)
         assert got["scale"].dtype == jax.dtypes.float0
@@ -183,7 +181,7 @@ def checked_loss(ws, x):
 class CheckifyTest(chex.TestCase):
     @chex.variants(with_jit=True, without_jit=True)
     def test_checkify_around_an_auto_loss(self):
-        wrapped = jremat.auto(checked_loss, budget=0.8, **SHARD)
+        wrapped = jremat.auto(checked_loss, budget=0.8)
         step = self.variant(checkify.checkify(jax.grad(wrapped)))
         err, grads = step(WS, X)
         assert err.get() is None
@@ -238,7 +236,7 @@ class LinenBlock(nn.Module):
         return x + nn.BatchNorm(use_running_average=not train, momentum=0.8)(h)
 
 
-LINEN_AUTO = jremat.auto(LinenBlock, budget=0.4, static_argnums=(2,), max_rounds=1, **SHARD)
+LINEN_AUTO = jremat.auto(LinenBlock, budget=0.4, static_argnums=(2,), max_rounds=1)
 
 
 class LinenModel(nn.Module):
@@ -293,7 +291,7 @@ class NnxBlock(nnx.Module):
         return x + self.bn(self.down(self.drop(nnx.gelu(self.up(x)))))
 
 
-NNX_AUTO = jremat.auto(NnxBlock, budget=0.4, max_rounds=1, **SHARD)
+NNX_AUTO = jremat.auto(NnxBlock, budget=0.4, max_rounds=1)
 
 
 class NnxModel(nnx.Module):
