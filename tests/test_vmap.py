@@ -68,7 +68,7 @@ class VmapTest(chex.TestCase):
         unrematerialized temp."""
         f = auto()  # planned at its first call, under the variant
         grads = self.variant(per_example_grads(f))(PARAMS, XS)
-        want = per_example_grads(LOSS)(PARAMS, XS)
+        want = self.variant(per_example_grads(LOSS))(PARAMS, XS)  # compiled alike
         chex.assert_trees_all_close(grads, want, rtol=RTOL, atol=1e-7)
         p = assert_runs_within_budget(per_example_grads, f, PARAMS, XS)
         assert any("under vmap(size=8, batch axis 0 of 1/13" in n for n in p.notes), p.notes
@@ -77,7 +77,7 @@ class VmapTest(chex.TestCase):
     def test_vmap_of_value_and_grad(self):
         f = per_example_wrapper()
         step = lambda h: jax.vmap(jax.value_and_grad(h), in_axes=(None, 0))  # noqa: E731
-        (v, g), (v0, g0) = self.variant(step(f))(PARAMS, XS), step(LOSS)(PARAMS, XS)
+        (v, g), (v0, g0) = (self.variant(step(h))(PARAMS, XS) for h in (f, LOSS))
         chex.assert_trees_all_close(v, v0, rtol=RTOL)
         chex.assert_trees_all_close(g, g0, rtol=RTOL, atol=1e-7)
         assert_runs_within_budget(step, f, PARAMS, XS)
@@ -87,8 +87,8 @@ class VmapTest(chex.TestCase):
 def test_a_new_batch_size_is_a_new_plan():
     f = per_example_wrapper()
     half = XS[:4]
-    grads = jax.jit(per_example_grads(f))(PARAMS, half)
-    chex.assert_trees_all_close(grads, per_example_grads(LOSS)(PARAMS, half), rtol=RTOL, atol=1e-7)
+    grads, want = (jax.jit(per_example_grads(h))(PARAMS, half) for h in (f, LOSS))
+    chex.assert_trees_all_close(grads, want, rtol=RTOL, atol=1e-7)
     assert len(f.plans) == 2
     small, large = sorted(f.plans.values(), key=lambda p: p.baseline_temp_bytes)
     assert small.baseline_temp_bytes < large.baseline_temp_bytes
@@ -102,8 +102,8 @@ def test_batch_axis_1_and_nested_vmaps():
     xs = XS.reshape(4, 2, 16, 8).transpose(1, 0, 2, 3)  # [2, 4, ...]: the outer batch on axis 1
     step = lambda h: jax.vmap(per_example_grads(h), in_axes=(None, 1))  # noqa: E731
     f = auto()
-    grads = jax.jit(step(f))(PARAMS, xs)
-    chex.assert_trees_all_close(grads, step(LOSS)(PARAMS, xs), rtol=RTOL, atol=1e-7)
+    grads, want = (jax.jit(step(h))(PARAMS, xs) for h in (f, LOSS))
+    chex.assert_trees_all_close(grads, want, rtol=RTOL, atol=1e-7)
     p = assert_runs_within_budget(step, f, PARAMS, xs)
     assert any(
         "vmap(size=4, batch axis 1" in n and "vmap(size=2, batch axis 0" in n for n in p.notes
@@ -114,8 +114,8 @@ def test_vmap_inside_grad():
     """`grad` of a vmapped mean: the step is the gradient of the batch's loss."""
     f = auto()
     step = lambda h: jax.grad(lambda p, x: jax.vmap(h, in_axes=(None, 0))(p, x).mean())  # noqa: E731
-    grads = jax.jit(step(f))(PARAMS, XS)
-    chex.assert_trees_all_close(grads, step(LOSS)(PARAMS, XS), rtol=RTOL, atol=1e-7)
+    grads, want = (jax.jit(step(h))(PARAMS, XS) for h in (f, LOSS))
+    chex.assert_trees_all_close(grads, want, rtol=RTOL, atol=1e-7)
     assert_runs_within_budget(step, f, PARAMS, XS)
 
 

@@ -64,6 +64,19 @@ def auto(
     signature reuse the plan, and a new batch size or sequence length plans again. It may be
     called inside `jit`/`grad`/`nn.scan`/`nnx.scan`: planning uses the arguments' shapes only.
 
+    Under `jax.vmap` (per-example gradients, `jax.vmap(jax.grad(loss))`, nested vmaps, any
+    `in_axes`, unbatched arguments, `vmap(value_and_grad)`, or `grad` of a vmapped mean), the
+    plan is made on `fn`'s per-example program but chosen, verified and budgeted on the step
+    that runs: the caller's vmaps, with their batch sizes and axes (read from the arguments'
+    batch tracers), around `value_and_grad` (a vmap inside the gradient: the gradient of the
+    batch's summed loss). A fraction is then of that vmapped step's unrematerialized temp
+    bytes, and a new batch size or batch axis is a new plan. Not seen, and planned per
+    example: a vmap around a `jit` that `auto` runs inside (`jax.vmap(jax.jit(jax.grad(f)))`:
+    `jit` traces `f` at one example's shapes); a vmap inside a `shard_map` body, over sharded
+    arguments or along a ragged axis, and Flax targets called under `nn.vmap`/`nnx.vmap`/
+    `jax.vmap` (their block budget is one example's) get a `RuntimeWarning` naming the batch
+    size and what to do.
+
     Targets:
       * a function returning a scalar floating-point loss (positional array arguments);
       * a linen `nn.Module` class (`jremat.auto(Block, budget=0.4)`, or as a class decorator)
