@@ -236,6 +236,63 @@ def is_differentiated(x: Any) -> bool:
     return False
 
 
+def batch_tracers(x: Any) -> list[tuple[Any, Any]] | None:
+    """The `vmap` levels a value is batched at: `(trace, batch_dim)` for each `BatchTracer`
+    found looking through `x`'s tracers (vmap's `.val`, autodiff tracers' `.primal`), the
+    innermost vmap first; `batch_dim` an int, or None where that level does not map `x`. None
+    where a level's batch dimension is not an int (a ragged axis): jremat cannot rebuild it.
+    Reads JAX internals (`batching.BatchTracer`, jax 0.10 and 0.12 alike)."""
+    from jax._src.interpreters import batching
+
+    found: list[tuple[Any, Any]] = []
+    while isinstance(x, jax.core.Tracer):
+        if isinstance(x, batching.BatchTracer):
+            dim = x.batch_dim  # `batching.not_mapped` (None): this level does not map x
+            if dim is not None and not isinstance(dim, int):
+                return None
+            found.append((x._trace, dim))
+            x = x.val
+            continue
+        inner = getattr(x, "primal", None)
+        if inner is None:
+            break  # a jaxpr tracer (jit, a loop body): what it wraps is not seen
+        x = inner
+    return found
+
+
+def batch_axis(trace: Any) -> tuple[int, Any, Any]:
+    """(size, axis name or None, spmd axis name or None) of a vmap's `BatchTrace`."""
+    from jax._src import core
+
+    data = trace.axis_data
+    name = None if data.name is getattr(core, "no_axis_name", None) else data.name
+    return int(data.size), name, getattr(data, "spmd_name", None)
+
+
+def trace_parents(trace: Any) -> list[Any]:
+    """The traces `trace` is nested in (its `parent_trace` chain), innermost first; [] where
+    this JAX does not say."""
+    out = []
+    t = getattr(trace, "parent_trace", None)
+    while t is not None:
+        out.append(t)
+        t = getattr(t, "parent_trace", None)
+    return out
+
+
+def autodiff_traces(x: Any) -> list[Any]:
+    """The traces of the autodiff tracers (`JVPTracer`, `LinearizeTracer`) around value `x`
+    (through vmap tracers), innermost first."""
+    kinds = _autodiff_tracer_types()
+    found = []
+    while isinstance(x, jax.core.Tracer):
+        if isinstance(x, kinds):
+            found.append(x._trace)
+        inner = getattr(x, "primal", None)
+        x = getattr(x, "val", None) if inner is None else inner
+    return found
+
+
 def is_jaxpr_traced(x: Any) -> bool:
     """Whether `x` is (or wraps) a tracer of a jaxpr trace (`jit`, `scan`, ...), whose value
     and placement are unknown at trace time; False for concrete values and for JVP/linearize/

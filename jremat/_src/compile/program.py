@@ -28,12 +28,14 @@ from jremat._src.base.args import (
     check_scalar_output,
     normalize_argnums,
 )
+from jremat._src.base.batching import Batching
 from jremat._src.base.sharding import arg_mesh, manual_axes, shard_args
 from jremat._src.compile.xla import (
     MemoryFigures,
     compile_figures,
     compile_step,
     figures_only_is_default,
+    step_args,
 )
 from jremat._src.plan.offload import OffloadCost, host_offload_effective, offload_proxy, offloads
 from jremat._src.plan.plan import Plan, plan_key
@@ -127,14 +129,19 @@ class Program:
         graph: Graph | None = None,
         objective: Objective | None = None,
         has_aux: bool = False,
+        batching: Batching | None = None,
     ):
         """`graph`: `fn` already traced at these arguments (`build_graph`), reused instead of
         tracing it again; its outputs are checked to be a scalar float loss, or with `has_aux`
-        a pair `(loss, aux)` (the step compiled is then `value_and_grad(fn, has_aux=True)`)."""
+        a pair `(loss, aux)` (the step compiled is then `value_and_grad(fn, has_aux=True)`).
+        `batching`: the caller's vmaps around `fn` (`base.batching.batching_of`): `args` are
+        per example, planned on as they are, and every step is compiled under the vmaps at the
+        batched arguments (`xla.step_grad`), so figures and budgets are the batched step's."""
         if not callable(fn):
             raise TypeError(f"fn must be a callable, got {type(fn).__name__}")
         self.fn = fn
         self.has_aux = check_flag("has_aux", has_aux)
+        self.batching = batching
         self.nums = normalize_argnums(argnums, len(args))
         # shapes, dtypes and the sharding each argument runs under (base/sharding.py)
         self.args = shard_args(args, in_shardings, mesh)
@@ -311,6 +318,7 @@ class Program:
                 value=False,
                 figures_only=True,
                 checks=self.checks,
+                batching=self.batching,
             )
             found = MemoryFigures.of(exe).temp_bytes
             with self._lock:
@@ -350,7 +358,13 @@ class Program:
             has_aux=self.has_aux,
             figures_only=figures_only,
             checks=self.checks,
+            batching=self.batching,
         )
+
+    @property
+    def step_args(self) -> tuple:
+        """The arguments the compiled step runs at: `args`, batched under `batching`."""
+        return step_args(self.args, self.batching)
 
     @property
     def baseline(self) -> Compiled:

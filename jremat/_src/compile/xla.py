@@ -14,6 +14,7 @@ from jax.experimental import checkify
 
 from jremat._src.base import compat as _compat
 from jremat._src.base import sharding
+from jremat._src.base.batching import Batching
 from jremat._src.compile.loop_flops import loop_flops_correction
 from jremat._src.trace import cost_model
 
@@ -108,33 +109,51 @@ def compile_step(
     value: bool = True,
     figures_only: bool = False,
     checks: bool = False,
+    batching: Batching | None = None,
 ) -> Any:
     """Lower and compile `jit(value_and_grad(fn, argnums, has_aux))` (`jit(grad(...))` when
     not `value`) for `args` (arrays or avals, whose shardings it compiles under:
-    `memory_analysis()` is then per device); `figures_only` as in `compile_jitted`.
+    `memory_analysis()` is then per device); `figures_only` as in `compile_jitted`. With
+    `batching` (the caller's vmaps), the step under them at the batched arguments
+    (`step_grad`); `args` stay the per-example ones.
 
     `checks`: `fn` holds `checkify.check`s (it runs inside the caller's `checkify.checkify`),
     which XLA cannot lower unfunctionalized: the step compiled is
     `checkify.checkify(step, errors=checkify.user_checks)`, as the caller's checkify runs it
     (its error values among the outputs)."""
-    step = step_grad(fn, argnums, has_aux, value)
+    step = step_grad(fn, argnums, has_aux, value, batching)
     if checks:
         step = checkify.checkify(step, errors=checkify.user_checks)
-    return compile_jitted(jax.jit(step), args, figures_only=figures_only)
+    return compile_jitted(jax.jit(step), step_args(args, batching), figures_only=figures_only)
 
 
 def step_grad(
-    fn: Callable[..., Any], argnums: tuple[int, ...], has_aux: bool = False, value: bool = True
+    fn: Callable[..., Any],
+    argnums: tuple[int, ...],
+    has_aux: bool = False,
+    value: bool = True,
+    batching: Batching | None = None,
 ) -> Any:
     """`jax.value_and_grad(fn, argnums, has_aux=has_aux, allow_int=True)`: the training step
     jremat compiles (with `has_aux`, `fn` returns `(loss, aux)` and the step computes both);
     `jax.grad` when not `value` (the step of a caller that drops the loss). `allow_int`: an
     integer leaf among the differentiated arguments (a step counter in the
     parameters, as `jax.grad(..., allow_int=True)` and `jax.vjp` accept) gets a float0
-    cotangent, as in the caller's backward pass, instead of failing the plan's compile."""
+    cotangent, as in the caller's backward pass, instead of failing the plan's compile. With
+    `batching`, that step under the caller's vmaps (`Batching.step`), a function of
+    `step_args(args, batching)`."""
     nums = argnums[0] if len(argnums) == 1 else argnums
     grad = jax.value_and_grad if value else jax.grad
+    if batching is not None:
+        return batching.step(
+            fn, lambda f: grad(f, argnums=nums, has_aux=has_aux, allow_int=True), has_aux
+        )
     return grad(fn, argnums=nums, has_aux=has_aux, allow_int=True)
+
+
+def step_args(args: Sequence[Any], batching: Batching | None) -> tuple:
+    """The arguments `step_grad(..., batching)` runs at: `args`, batched under `batching`."""
+    return tuple(args) if batching is None else batching.global_args(args)
 
 
 def step_flops(
@@ -146,12 +165,13 @@ def step_flops(
     scan_flops: bool = True,
     spmd: bool = True,
     has_aux: bool = False,
+    batching: Batching | None = None,
 ) -> float:
-    """FLOPs of `compile_step(fn, args, argnums)`'s `executable`: XLA's count plus, when
-    `scan_flops`, every loop body once more per extra trip: read from the executable's
-    optimized HLO (`loop_flops.loop_flops_correction`, per device), else, where a loop there
-    has no known trip count, each scan body of the step's jaxpr compiled on its own
-    (`scan_flops_correction`).
+    """FLOPs of `compile_step(fn, args, argnums, batching=batching)`'s `executable`: XLA's
+    count plus, when `scan_flops`, every loop body once more per extra trip: read from the
+    executable's optimized HLO (`loop_flops.loop_flops_correction`, per device), else, where
+    a loop there has no known trip count, each scan body of the step's jaxpr compiled on its
+    own (`scan_flops_correction`).
 
     On that second path, under sharded jit (`spmd`) the bodies are costed on global shapes: a
     device's share is 1/devices of them (data and tensor parallelism split a body's work
@@ -159,14 +179,16 @@ def step_flops(
     """
     flops = xla_flops(executable)
     if not flops:  # a backend that counts nothing: jremat's own table on the step's jaxpr
-        jaxpr = jax.make_jaxpr(step_grad(fn, argnums, has_aux))(*args)
+        jaxpr = jax.make_jaxpr(step_grad(fn, argnums, has_aux, batching=batching))(
+            *step_args(args, batching)
+        )
         return cost_model.jaxpr_flops(_compat.closed(jaxpr)[0]) / (
             _num_devices(executable) if spmd else 1
         )
     if scan_flops:
 
         def by_bodies() -> float:
-            extra = scan_flops_correction(fn, args, argnums, has_aux)
+            extra = scan_flops_correction(fn, args, argnums, has_aux, batching)
             return extra / _num_devices(executable) if spmd else extra
 
         flops = with_loop_trips(executable, flops, by_bodies)
@@ -192,9 +214,11 @@ def compile_figures(
     has_aux: bool = False,
     figures_only: bool = False,
     checks: bool = False,
+    batching: Batching | None = None,
 ) -> tuple[Any, float]:
-    """`compile_step` (`figures_only` and `checks` as there) and its FLOPs (scan bodies
-    counted once per trip, when `scan_flops`).
+    """`compile_step` (`figures_only`, `checks` and `batching` as there: under the caller's
+    vmaps with `batching`) and its FLOPs (scan bodies counted once per trip, when
+    `scan_flops`).
 
     With `manual_axes` ({name: size}, `base.sharding.manual_axes()` inside a `shard_map`
     body) the per-device program is compiled in a helper thread, outside the body's trace,
@@ -208,8 +232,19 @@ def compile_figures(
     """
 
     def run(f: Callable[..., Any], a: Sequence[Any], spmd: bool) -> tuple[Any, float]:
-        exe = compile_step(f, a, argnums, has_aux, figures_only=figures_only, checks=checks)
-        flops = step_flops(exe, f, a, argnums, scan_flops=scan_flops, spmd=spmd, has_aux=has_aux)
+        exe = compile_step(
+            f, a, argnums, has_aux, figures_only=figures_only, checks=checks, batching=batching
+        )
+        flops = step_flops(
+            exe,
+            f,
+            a,
+            argnums,
+            scan_flops=scan_flops,
+            spmd=spmd,
+            has_aux=has_aux,
+            batching=batching,
+        )
         if not spmd:  # a shard_map body: also the step that drops the loss
             alone = compile_step(
                 f, a, argnums, has_aux, value=False, figures_only=True, checks=checks
@@ -226,6 +261,8 @@ def compile_figures(
 
     if not manual_axes:
         return run(fn, args, True)
+    if batching is not None:  # jremat.auto plans a vmap inside a shard_map body per example
+        raise ValueError("compile_figures: batching inside a shard_map body is not supported")
     g, global_args = sharding.bind_axes(fn, manual_axes, args)
     exe, flops = outside_trace(lambda: run(g, global_args, False))
     inner = outside_trace(data_parallel)
@@ -255,7 +292,11 @@ def xla_flops(compiled: Any) -> float:
 
 
 def scan_flops_correction(
-    fn: Callable[..., Any], args: Sequence[Any], nums: tuple[int, ...], has_aux: bool = False
+    fn: Callable[..., Any],
+    args: Sequence[Any],
+    nums: tuple[int, ...],
+    has_aux: bool = False,
+    batching: Batching | None = None,
 ):
     """FLOPs XLA's count misses because it counts each scan body once, not once per trip.
 
@@ -263,7 +304,9 @@ def scan_flops_correction(
     added (length - 1) more times (nested scans recursively). `while` loops have no static
     trip count and stay counted once.
     """
-    closed_jaxpr = jax.make_jaxpr(step_grad(fn, nums, has_aux))(*args)
+    closed_jaxpr = jax.make_jaxpr(step_grad(fn, nums, has_aux, batching=batching))(
+        *step_args(args, batching)
+    )
     cache: dict[int, float] = {}
     return jaxpr_scan_correction(_compat.closed(closed_jaxpr)[0], cache)
 

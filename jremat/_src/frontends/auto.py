@@ -12,6 +12,7 @@ import inspect
 import os
 import sys
 import threading
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -20,7 +21,8 @@ import numpy as np
 
 from jremat._src.base import compat as _compat
 from jremat._src.base.args import normalize_argnums
-from jremat._src.base.sharding import check_known, shard_args
+from jremat._src.base.batching import Batching, UnsupportedBatching, batching_of
+from jremat._src.base.sharding import check_known, leaf_sharding, manual_axes, shard_args
 from jremat._src.frontends.blocks import is_disabled
 from jremat._src.frontends.cache import PlanCache
 from jremat._src.frontends.options import AutoOptions
@@ -61,6 +63,19 @@ def auto(
     compiles and verifies), then runs the rematerialized program; later calls with the same
     signature reuse the plan, and a new batch size or sequence length plans again. It may be
     called inside `jit`/`grad`/`nn.scan`/`nnx.scan`: planning uses the arguments' shapes only.
+
+    Under `jax.vmap` (per-example gradients, `jax.vmap(jax.grad(loss))`, nested vmaps, any
+    `in_axes`, unbatched arguments, `vmap(value_and_grad)`, or `grad` of a vmapped mean), the
+    plan is made on `fn`'s per-example program but chosen, verified and budgeted on the step
+    that runs: the caller's vmaps, with their batch sizes and axes (read from the arguments'
+    batch tracers), around `value_and_grad` (a vmap inside the gradient: the gradient of the
+    batch's summed loss). A fraction is then of that vmapped step's unrematerialized temp
+    bytes, and a new batch size or batch axis is a new plan. Not seen, and planned per
+    example: a vmap around a `jit` that `auto` runs inside (`jax.vmap(jax.jit(jax.grad(f)))`:
+    `jit` traces `f` at one example's shapes); a vmap inside a `shard_map` body, over sharded
+    arguments or along a ragged axis, and Flax targets called under `nn.vmap`/`nnx.vmap`/
+    `jax.vmap` (their block budget is one example's) get a `RuntimeWarning` naming the batch
+    size and what to do.
 
     Targets:
       * a function returning a scalar floating-point loss (positional array arguments);
@@ -259,12 +274,14 @@ def _auto_function(
             from jremat._src.frontends.flax_linen import linen_method_call
 
             _refuse_aux_for_flax(options, fn)
+            _warn_flax_vmap(fn, (args, kwargs))
             return linen_method_call(fn, options, cache, flax_state)(*args, **kwargs)
         if sys.modules.get("flax.nnx") is not None:
             from jremat._src.frontends.flax_nnx import has_graph_node, make_caller
 
             if has_graph_node((args, kwargs)):
                 _refuse_aux_for_flax(options, fn)
+                _warn_flax_vmap(fn, (args, kwargs))
                 if "nnx" not in flax_state:
                     flax_state["nnx"] = make_caller(fn, options, cache, self_counted=_is_method(fn))
                 return flax_state["nnx"](*args, **kwargs)
@@ -282,8 +299,10 @@ def _auto_function(
         dyn = tuple(a for i, a in enumerate(args) if i not in static)
         statics = tuple((i, args[i]) for i in static)
         nums = _shift_argnums(argnums, static, len(args))
+        # the caller's vmaps (sizes, batch axes): the step that runs is batched under them
+        batching = _batching(fn, dyn, nums)
         # another set of differentiated arguments is another backward pass: another plan
-        key = (signature(dyn), statics, nums)
+        key = (signature(dyn), statics, nums, batching)
         with lock:
             if key not in runners:
                 # static arguments (strings, bools, other non-array values: the caller's
@@ -292,10 +311,13 @@ def _auto_function(
                 in_shardings = _drop_static(options.in_shardings, static)
                 avals = shard_args(dyn, in_shardings, options.mesh)
                 check_known(dyn, avals, in_shardings)
+                batching = _checked_batching(fn, batching, avals)
                 # the one trace of fn at this signature: keyed, planned and run from it
                 graph = build_graph(f, avals, nums)
                 check_replayable(graph, getattr(fn, "__name__", "fn"))
-                p = cache.get(graph, f, avals, argnums=nums, has_aux=options.has_aux)
+                p = cache.get(
+                    graph, f, avals, argnums=nums, has_aux=options.has_aux, batching=batching
+                )
                 plans[key] = p
                 runners[key] = _runner(f, graph, p, options)
         return runners[key](*dyn)
@@ -306,6 +328,82 @@ def _auto_function(
     # wrapper does): this marker keeps Flax from wrapping it a second time.
     wrapper.method_handler_wrapped = True  # type: ignore[attr-defined]
     return wrapper
+
+
+def _batching(fn: Any, dyn: Sequence[Any], nums: tuple[int, ...]) -> Batching | None:
+    """The vmaps around the call (`base.batching.batching_of`); None when none, or, with a
+    `RuntimeWarning`, where a batch dimension cannot be rebuilt (then planned per example)."""
+    try:
+        return batching_of(dyn, nums)
+    except UnsupportedBatching as e:
+        warnings.warn(
+            f"jremat.auto: {getattr(fn, '__name__', 'fn')} is called under jax.vmap, but {e}; "
+            "its plan is chosen and verified for one example, and the vmapped step that runs "
+            "may exceed the budget. Call it on the batched arguments instead (a loss over the "
+            "batch), or check the vmapped step's temp with jremat.measure.",
+            RuntimeWarning,
+            stacklevel=_user_stacklevel(),
+        )
+        return None
+
+
+def _checked_batching(fn: Any, batching: Batching | None, avals: Sequence[Any]) -> Any:
+    """`batching`, or None with a `RuntimeWarning` where jremat cannot compile the batched
+    step: inside a `shard_map` body, or over sharded arguments (whose per-example shardings
+    say nothing of the batch dimension's)."""
+    if batching is None:
+        return None
+    why = None
+    if manual_axes():
+        why = "inside a shard_map body"
+    elif any(leaf_sharding(x) is not None for x in jax.tree_util.tree_leaves(avals)):
+        why = "over sharded arguments"
+    if why is None:
+        return batching
+    warnings.warn(
+        f"jremat.auto: {getattr(fn, '__name__', 'fn')} is called under {batching.describe()} "
+        f"{why}, where jremat does not compile the batched step: the plan is chosen and "
+        f"verified for one example, while the step that runs holds {batching.batch_size} "
+        "examples and may exceed the budget. Call it on the batched arguments instead (a "
+        "loss over the batch), or check the vmapped step's temp with jremat.measure.",
+        RuntimeWarning,
+        stacklevel=_user_stacklevel(),
+    )
+    return None
+
+
+def _warn_flax_vmap(fn: Any, args: Any) -> None:
+    """A `RuntimeWarning` where a Flax target is called under a vmap (`nn.vmap`, `nnx.vmap`,
+    `jax.vmap`): its block budget is planned and verified per example."""
+    sizes = []
+    for x in jax.tree_util.tree_leaves(args):
+        found = _compat.batch_tracers(x) if _compat.is_tracer(x) else []
+        if found:
+            sizes = [_compat.batch_axis(t)[0] for t, _ in reversed(found)]
+            break
+    if sizes:
+        warnings.warn(
+            f"jremat.auto: the Flax target {getattr(fn, '__qualname__', fn)} is called under "
+            f"a vmap of batch size {' x '.join(map(str, sizes))} (nn.vmap/nnx.vmap/jax.vmap), "
+            "which jremat does not plan for a Flax block: its budget is planned and verified "
+            "for one example, and the vmapped block keeps about that many times more. Decorate "
+            "the vmapped module instead (jremat.auto(nn.vmap(Block, ...))), or give a byte "
+            "budget for one example divided by the batch size.",
+            RuntimeWarning,
+            stacklevel=_user_stacklevel(),
+        )
+
+
+def _user_stacklevel() -> int:
+    """`warnings.warn`'s stacklevel of the first frame outside jremat and JAX."""
+    here = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    jax_dir = os.path.dirname(os.path.abspath(jax.__file__))
+    frame, level = sys._getframe(1), 1
+    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(
+        (here + os.sep, jax_dir + os.sep)
+    ):
+        frame, level = frame.f_back, level + 1
+    return level
 
 
 def _refuse_aux_for_flax(options: AutoOptions, target: Any) -> None:

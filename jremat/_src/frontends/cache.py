@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from jremat._src.base.args import abstract_args, check_count, check_flag
+from jremat._src.base.batching import Batching
 from jremat._src.base.budget import Budget, parse_budget
 from jremat._src.plan.offload import parse_offload
 from jremat._src.plan.plan import Plan
@@ -132,11 +133,20 @@ class PlanCache:
         )
 
     # -- keys -----------------------------------------------------------------------------
-    def key(self, graph: Graph, args: Sequence[Any], kind: str = "function") -> tuple[str, str]:
+    def key(
+        self,
+        graph: Graph,
+        args: Sequence[Any],
+        kind: str = "function",
+        batching: Batching | None = None,
+    ) -> tuple[str, str]:
         """(key, readable signature) of a program; stable across processes, different for
-        another backend, jax or jremat version (whose compiled figures may differ)."""
+        another backend, jax or jremat version (whose compiled figures may differ), and for
+        other vmaps around the call (`batching`: batch sizes and axes)."""
         signed = signature(args)
         sig, shard_key = signed.description, signed.sharding
+        if batching is not None:
+            sig = f"{sig} under {batching.describe()}"
         payload = json.dumps(
             {
                 "kind": kind,
@@ -150,6 +160,7 @@ class PlanCache:
                 "versions": _versions(),
                 **({"offload": repr(self.offload)} if self.offload is not None else {}),
                 **({"sharding": repr(shard_key)} if shard_key else {}),
+                **({"vmap": _vmap_key(batching)} if batching is not None else {}),
             },
             sort_keys=True,
         )
@@ -168,6 +179,7 @@ class PlanCache:
         argnums: int | Sequence[int] = 0,
         ct_mask: Sequence[bool] | None = None,
         has_aux: bool = False,
+        batching: Batching | None = None,
     ) -> Plan:
         """The plan for `graph` (the traced `fn(*args)`): cached, loaded or solved.
 
@@ -181,12 +193,14 @@ class PlanCache:
           ct_mask: for a block, which flat outputs a training step differentiates (the
             module's outputs, not its updated collections); see docs/design.md#flax-blocks.
           has_aux: a loss `fn` returns `(loss, aux)` (`jremat.plan`'s `has_aux`).
+          batching: the caller's vmaps around a loss (`jremat.plan`'s `batching`): part of
+            the key, and the step the plan is verified on.
 
         Raises:
           InfeasibleBudgetError, and the other errors of `jremat.plan`, unchanged.
         """
         avals = abstract_args(args)
-        key, sig = self.key(graph, avals, "function" if ct_mask is None else "block")
+        key, sig = self.key(graph, avals, "function" if ct_mask is None else "block", batching)
         with self._lock:
             if key in self.plans:
                 return self.plans[key]
@@ -205,6 +219,7 @@ class PlanCache:
                         graph=graph,  # traced once per signature: not again to plan
                         argnums=argnums,
                         has_aux=has_aux,
+                        batching=batching,
                         verify=self.verify,
                         max_rounds=self.max_rounds,
                         **opts,
@@ -281,6 +296,14 @@ class PlanCache:
                 RuntimeWarning,
                 stacklevel=3,
             )
+
+
+def _vmap_key(batching: Batching) -> list:
+    """The vmaps of a key, stable across processes (an axis name by its repr)."""
+    return [
+        [lv.size, list(lv.in_dims), lv.outside_grad, repr(lv.axis_name), repr(lv.spmd_axis_name)]
+        for lv in batching.levels
+    ]
 
 
 def _jsonable(x: Any) -> Any:

@@ -20,6 +20,7 @@ import numpy as np
 
 from jremat._src.base import compat as _compat
 from jremat._src.base.args import check_count, check_flag
+from jremat._src.base.batching import Batching
 from jremat._src.base.budget import Budget, parse_budget
 from jremat._src.base.errors import InfeasibleBudgetError
 from jremat._src.compile.program import Compiled, Program
@@ -87,6 +88,7 @@ def plan(
     mesh: Any = None,
     graph: Graph | None = None,
     has_aux: bool = False,
+    batching: Batching | None = None,
 ) -> Plan:
     """Plan the rematerialization of `fn` under a memory budget.
 
@@ -141,6 +143,11 @@ def plan(
         batch statistics), as in `jax.value_and_grad(fn, has_aux=True)`: the step planned and
         verified is `jit(value_and_grad(fn, has_aux=True))`, which computes both. Default
         False.
+      batching: the `jax.vmap`s the plan runs under (`jremat.auto` passes those around its
+        call; `base.batching.Batching`): `args` are per example and the plan is made on
+        `fn`'s per-example program, but the step compiled, verified and budgeted is the
+        vmapped one at the batched arguments (a fraction is of its unrematerialized temp).
+        None (default): no vmap.
 
     Returns:
       A `Plan`; `Plan.identity` when the budget is at or above the unrematerialized program,
@@ -174,7 +181,14 @@ def plan(
     max_cuts = check_count("max_cuts", max_cuts)
     t0 = time.perf_counter()
     prog = Program(
-        fn, args, argnums, in_shardings=in_shardings, mesh=mesh, graph=graph, has_aux=has_aux
+        fn,
+        args,
+        argnums,
+        in_shardings=in_shardings,
+        mesh=mesh,
+        graph=graph,
+        has_aux=has_aux,
+        batching=batching,
     )
     logger.info(
         "%s %s: %d equations in %.1f s",
@@ -538,8 +552,8 @@ def _likely_below(prog: Program, spec: Budget, planner: Callable[[], Any]) -> bo
         return spec.fraction < 1
     if not prog.threads_ok:
         return False
-    leaves = jax.tree_util.tree_leaves(prog.args)
-    diff = jax.tree_util.tree_leaves([prog.args[i] for i in prog.nums])
+    leaves = jax.tree_util.tree_leaves(prog.step_args)
+    diff = jax.tree_util.tree_leaves([prog.step_args[i] for i in prog.nums])
     fixed = sum(_compat.aval_nbytes(x) for x in [*leaves, *diff])  # PRNG keys too
     return spec.footprint_bytes < fixed + planner().no_remat_peak()
 
@@ -608,7 +622,9 @@ def _no_reverse_derivative(prog: Program, spec: Budget, error: Exception) -> Pla
         compile), naming JAX's reason and budget=1.0.
     """
     try:
-        jax.eval_shape(step_grad(prog.fn, prog.nums, prog.has_aux), *prog.args)
+        jax.eval_shape(
+            step_grad(prog.fn, prog.nums, prog.has_aux, batching=prog.batching), *prog.step_args
+        )
     except Exception as reason:  # noqa: BLE001 - JAX's reason, quoted below
         why = str(reason).splitlines()[0]
         if spec.fraction is not None and spec.fraction >= 1:
