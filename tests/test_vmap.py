@@ -7,7 +7,6 @@ from __future__ import annotations
 import chex
 import jax
 import jax.numpy as jnp
-from jax.sharding import PartitionSpec
 from models import mlp_chain
 
 import jremat
@@ -22,9 +21,7 @@ PARAMS, XS = _M.args[0], _M.args[1].reshape(8, 16, 8)  # 8 examples
 
 
 def auto(loss=LOSS):
-    # in_shardings=PartitionSpec(): under jit with 8 host devices the tracers do not say
-    # that they are unsharded (sharding.check_known), so the tests say it
-    return jremat.auto(loss, budget=BUDGET, plan_dir=False, in_shardings=PartitionSpec())
+    return jremat.auto(loss, budget=BUDGET, plan_dir=False)
 
 
 def temp_bytes(step, *args) -> int:

@@ -72,9 +72,11 @@ def check_in_shardings(in_shardings: Any) -> None:
 
 
 # -- arguments ---------------------------------------------------------------------------------
-def leaf_sharding(x: Any) -> Any:
+def leaf_sharding(x: Any, per_example: bool = True) -> Any:
     """The sharding an argument carries: a concrete array's NamedSharding over more than one
-    device, a ShapeDtypeStruct's sharding, or an explicit-mode tracer's (abstract) sharding."""
+    device, a ShapeDtypeStruct's sharding, or an explicit-mode tracer's (abstract) sharding;
+    inside `jax.jit` in Auto mode, what `traced_placement` reads. For a `vmap` tracer, the
+    sharding of one example (`per_example`) or of the whole batched array."""
     if isinstance(x, jax.ShapeDtypeStruct):
         s = getattr(x, "sharding", None)
         if not isinstance(s, NamedSharding) or _is_manual(s.mesh):
@@ -86,12 +88,30 @@ def leaf_sharding(x: Any) -> Any:
             return s
         inner = _compat.concrete_primal(x)  # grad/vmap of a concrete array: its placement
         if inner is not None and not _compat.is_tracer(inner):
-            return leaf_sharding(inner)
-        return traced_placement(x)[1]
+            outer = leaf_sharding(inner)
+        else:
+            outer = traced_placement(x)[1]
+        return _per_example(outer, x) if per_example else outer
     s = getattr(x, "sharding", None)
     if isinstance(s, NamedSharding) and s.mesh.size > 1:
         return s
     return None
+
+
+def _per_example(s: Any, x: Any) -> Any:
+    """The sharding `s` of the array a `vmap` tracer `x` batches, for `x` itself: each vmap
+    level's batch dimension dropped from the spec, the outermost level first (None when no
+    dimension left is split)."""
+    levels = _compat.batch_tracers(x) or []
+    dims = [d for _, d in levels if d is not None]
+    if s is None or not dims:
+        return s
+    spec = list(s.spec) + [None] * (len(x.shape) + len(dims) - len(s.spec))
+    for d in reversed(dims):
+        del spec[d]
+    if not any(spec_axes(e) for e in spec):
+        return None
+    return NamedSharding(s.mesh, PartitionSpec(*spec))
 
 
 def traced_placement(x: Any) -> tuple[str, Any]:

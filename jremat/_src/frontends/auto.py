@@ -311,7 +311,7 @@ def _auto_function(
                 in_shardings = _drop_static(options.in_shardings, static)
                 avals = shard_args(dyn, in_shardings, options.mesh)
                 check_known(dyn, avals, in_shardings)
-                batching = _checked_batching(fn, batching, avals)
+                batching = _checked_batching(fn, batching, dyn)
                 # the one trace of fn at this signature: keyed, planned and run from it
                 graph = build_graph(f, avals, nums)
                 check_replayable(graph, getattr(fn, "__name__", "fn"))
@@ -347,16 +347,18 @@ def _batching(fn: Any, dyn: Sequence[Any], nums: tuple[int, ...]) -> Batching | 
         return None
 
 
-def _checked_batching(fn: Any, batching: Batching | None, avals: Sequence[Any]) -> Any:
+def _checked_batching(fn: Any, batching: Batching | None, args: Sequence[Any]) -> Any:
     """`batching`, or None with a `RuntimeWarning` where jremat cannot compile the batched
-    step: inside a `shard_map` body, or over sharded arguments (whose per-example shardings
-    say nothing of the batch dimension's)."""
+    step: inside a `shard_map` body, or over sharded arguments (`args`, the call's own: the
+    batched step would need the batched arrays' shardings, which it does not carry)."""
     if batching is None:
         return None
     why = None
     if manual_axes():
         why = "inside a shard_map body"
-    elif any(leaf_sharding(x) is not None for x in jax.tree_util.tree_leaves(avals)):
+    elif any(
+        leaf_sharding(x, per_example=False) is not None for x in jax.tree_util.tree_leaves(args)
+    ):
         why = "over sharded arguments"
     if why is None:
         return batching
