@@ -18,6 +18,7 @@ import optax
 import pytest
 from flax import nnx
 from jax.experimental import checkify
+from test_flax_nnx import Model as NnxModel  # two blocks and a head
 
 import jremat
 from jremat._src.base import compat as _compat
@@ -292,17 +293,6 @@ class NnxBlock(nnx.Module):
 
 
 NNX_AUTO = jremat.auto(NnxBlock, budget=0.4, max_rounds=1)
-
-
-class NnxModel(nnx.Module):
-    def __init__(self, block: type, rngs: nnx.Rngs):
-        self.blocks = nnx.List([block(16, rngs) for _ in range(2)])
-        self.head = nnx.Linear(16, 4, rngs=rngs)
-
-    def __call__(self, x):
-        for b in self.blocks:
-            x = b(x)
-        return self.head(x)
 
 
 @pytest.mark.parametrize("kind", list(KEY_MAKERS))

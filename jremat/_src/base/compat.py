@@ -200,17 +200,29 @@ def loop_context(flat_args: Sequence[Any]) -> str:
 def _traced_for(x: Any) -> str | None:
     """The `traced_for` of the jaxpr trace `x` belongs to, looking through JVP/linearize/vmap
     tracers to their primal; None for a concrete value, "?" when it cannot be told."""
+    inner, known = _innermost(x)
+    if not known:
+        return "?"
+    if not isinstance(inner, jax.core.Tracer):
+        return None
+    frame = inner._trace.frame
+    return getattr(getattr(frame, "debug_info", None), "traced_for", None) or "?"
+
+
+def _innermost(x: Any) -> tuple[Any, bool]:
+    """`(v, True)`: `v` the tracer of a jaxpr trace (`jit`, a loop body; its trace has a
+    `frame`) or the concrete value that `x` is or wraps, looking through JVP/linearize/vmap
+    tracers to their primal (`.primal`, `.val`); `(None, False)` when a tracer wraps neither."""
     while isinstance(x, jax.core.Tracer):
-        frame = getattr(getattr(x, "_trace", None), "frame", None)
-        if frame is not None:
-            return getattr(getattr(frame, "debug_info", None), "traced_for", None) or "?"
+        if getattr(getattr(x, "_trace", None), "frame", None) is not None:
+            return x, True
         inner = getattr(x, "primal", None)
         if inner is None:
             inner = getattr(x, "val", None)
         if inner is None:
-            return "?"
+            return None, False
         x = inner
-    return None
+    return x, True
 
 
 def _autodiff_tracer_types() -> tuple[type, ...]:
@@ -303,16 +315,8 @@ def is_jaxpr_traced(x: Any) -> bool:
 def concrete_primal(x: Any) -> Any:
     """The concrete array a JVP/linearize/vmap tracer wraps (`x` itself when concrete); None
     when `x` is (or wraps) a jaxpr tracer."""
-    while isinstance(x, jax.core.Tracer):
-        if getattr(getattr(x, "_trace", None), "frame", None) is not None:
-            return None
-        inner = getattr(x, "primal", None)
-        if inner is None:
-            inner = getattr(x, "val", None)
-        if inner is None:
-            return None
-        x = inner
-    return x
+    inner, _ = _innermost(x)
+    return None if isinstance(inner, jax.core.Tracer) else inner
 
 
 def name_stack(eqn: Any) -> str:
@@ -405,16 +409,8 @@ def jaxpr_tracer(x: Any) -> Any:
     """The tracer of a jaxpr trace (`jit`, a loop body) that `x` is or wraps, looking through
     JVP/linearize/vmap tracers to their primal; None for a concrete value (or when it cannot
     be told)."""
-    while isinstance(x, jax.core.Tracer):
-        if getattr(getattr(x, "_trace", None), "frame", None) is not None:
-            return x
-        inner = getattr(x, "primal", None)
-        if inner is None:
-            inner = getattr(x, "val", None)
-        if inner is None:
-            return None
-        x = inner
-    return None
+    inner, _ = _innermost(x)
+    return inner if isinstance(inner, jax.core.Tracer) else None
 
 
 #: The functions whose frames hold a jit trace's inputs, by JAX file: `pjit._trace_for_jit`
