@@ -257,4 +257,5 @@ def test_given_argnums_with_an_argument_of_a_jit_inside_the_callers_grad(chain):
         return lambda p: jax.jit(lambda x2: loss_fn(p, x2))(x * jax.tree.leaves(p)[0].sum())
 
     chex.assert_trees_all_close(jax.grad(outer(f))(params), jax.grad(outer(loss))(params))
-    assert [k[-1] for k in f.plans] == [(0, 1)]
+    # plan keys: (signature, static arguments, argnums, vmaps)
+    assert [k[2] for k in f.plans] == [(0, 1)]

@@ -388,6 +388,45 @@ def _unsharded(args, case):
     return jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), args)
 
 
+def test_auto_in_a_scan_under_jit_and_under_jits_own_in_shardings():
+    """Two callers whose tracers are not the caller's arrays: gradient accumulation with a
+    `lax.scan` over microbatches around `grad(auto(loss))` in `jit`, nothing sharded (the loop
+    body's slices are on no mesh: planned as the one-device program, no in_shardings); and a
+    `jit` given `in_shardings` of its own over uncommitted arrays (which the avals do not
+    show: read from `jit`). Each meets the budget on the step that runs, gradients exact."""
+    m = M.mlp_chain(depth=3, width=16, batch=4096)
+    params, x = m.args
+    f = jremat.auto(m.loss, budget=0.6, solver=M.SOLVER, plan_dir=False)
+
+    def accumulate(loss):
+        def step(p, xs):
+            def body(acc, xb):
+                g = jax.grad(loss)(p, xb)
+                return jax.tree_util.tree_map(jnp.add, acc, g), None
+
+            zeros = jax.tree_util.tree_map(jnp.zeros_like, p)
+            return jax.lax.scan(body, zeros, xs)[0]
+
+        return step
+
+    micro = x.reshape(4, -1, x.shape[-1])
+    got = jax.jit(accumulate(f))(params, micro)
+    assert rel_err(got, jax.jit(accumulate(m.loss))(params, micro)) <= 1e-5
+    assert running_temp(accumulate(f), (params, micro)) <= 0.6 * running_temp(
+        accumulate(m.loss), (params, micro))  # fmt: skip
+
+    mesh = jax.make_mesh((8,), ("data",), axis_types=(AUTO,))
+    given = (NamedSharding(mesh, P()), NamedSharding(mesh, P("data")))
+    g = jremat.auto(m.loss, budget=0.6, solver=M.SOLVER, plan_dir=False)
+    step = jax.jit(jax.grad(g), in_shardings=given)
+    assert rel_err(step(params, x), jax.grad(m.loss)(params, x)) <= 1e-5
+    (plan,) = g.plans.values()
+    plain = jax.jit(jax.grad(m.loss), in_shardings=given).lower(params, x).compile()
+    assert plan.baseline_temp_bytes == per_device_temp(m.loss, put(m.args, (P(), P("data")), mesh))
+    temp = step.lower(params, x).compile().memory_analysis().temp_size_in_bytes
+    assert temp <= 0.6 * plain.memory_analysis().temp_size_in_bytes
+
+
 def test_auto_under_nested_jits_reads_the_outer_arguments():
     """`jit(step)` calling `jit(grad(auto(loss)))`: the inner jit's arguments are the outer
     trace's inputs, whose committed shardings are read in turn."""

@@ -474,28 +474,3 @@ def jit_traces() -> list[JitTrace]:
             pending = None
         frame = frame.f_back
     return [t for t in out if len(t.in_tracers) == len(t.args) == len(t.in_shardings)]
-
-
-#: Primitives that place values on devices or a mesh: a value downstream of one of them may
-#: be sharded whatever the trace's inputs are.
-PLACING_PRIMITIVES = frozenset(
-    {"sharding_constraint", "shard_map", "device_put", "mesh_cast", "reshard", "xla_pmap"}
-)
-
-
-def trace_places_values(trace: Any) -> bool:
-    """Whether the equations recorded so far in the jaxpr trace `trace` (nested jaxprs
-    included) hold one of `PLACING_PRIMITIVES`; True when they cannot be read."""
-    eqns = getattr(getattr(trace, "frame", None), "tracing_eqns", None)
-    if eqns is None:
-        return True
-    todo = [e() if callable(e) and not hasattr(e, "primitive") else e for e in eqns]
-    while todo:
-        e = todo.pop()
-        if e is None:
-            continue  # a dead weak reference: an equation already dropped
-        if getattr(getattr(e, "primitive", None), "name", None) in PLACING_PRIMITIVES:
-            return True
-        for inner in jex_core.jaxprs_in_params(getattr(e, "params", {})):
-            todo.extend(inner.eqns)
-    return False

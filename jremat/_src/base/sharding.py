@@ -118,52 +118,52 @@ def traced_placement(x: Any) -> tuple[str, Any]:
     """How a leaf traced inside `jax.jit` in JAX's default (Auto) sharding mode is placed,
     where its tracer does not say: read from the `jit` traces under way (`compat.jit_traces`).
 
-    An input of the innermost `jit` trace takes `jit`'s own `in_shardings` entry where one was
-    given, else the placement of the argument the caller passed: a concrete array's sharding
-    (its committed `NamedSharding`; one device: not sharded), a `ShapeDtypeStruct`'s, a NumPy
-    value (not sharded), or for a tracer of an enclosing `jit`, its placement there, in turn.
-    A value computed inside the trace is not sharded when nothing the trace takes is (a
-    one-device program on a host with many devices); otherwise GSPMD decides its sharding
-    when the caller's program compiles, and it is unknown here.
+    An input of a `jit` trace takes `jit`'s own `in_shardings` entry where one was given, else
+    the placement of the argument the caller passed: a concrete array's sharding (its
+    committed `NamedSharding`; one device: not sharded), a `ShapeDtypeStruct`'s, a NumPy value
+    (not sharded), or for a tracer of an enclosing `jit`, its placement there, in turn. Any
+    other traced value (computed in the trace, a loop body's) is not sharded when its aval is
+    on no mesh (JAX gives a value the mesh of the sharded values it is computed from, and of
+    `with_sharding_constraint`, `device_put`, `shard_map`), unless a `jit` on the stack shards
+    an input by its `in_shardings` (which avals do not show); otherwise GSPMD decides its
+    sharding when the caller's program compiles, and it is unknown here.
 
     Returns:
       ("sharded", NamedSharding), ("unsharded", None), or ("unknown", None).
     """
-    traces = _compat.jit_traces()
     t = _compat.jaxpr_tracer(x)
-    for k, jt in enumerate(traces):
-        if t is None:
-            return _value_placement(x)
-        if getattr(t, "_trace", None) is not jt.trace:
-            return ("unknown", None)  # a loop body's or another trace's value
-        idx = next((i for i, a in enumerate(jt.in_tracers) if a is t), None)
-        if idx is None:  # computed in the trace: sharded only where something placed it
-            unsharded = not _compat.trace_places_values(jt.trace) and all(
-                _input_placement(traces, k, i)[0] == "unsharded" for i in range(len(jt.args))
+    if t is None:
+        return _value_placement(x)
+    traces = _compat.jit_traces()
+    while True:
+        jt = next((j for j in traces if getattr(t, "_trace", None) is j.trace), None)
+        idx = None if jt is None else next((i for i, a in enumerate(jt.in_tracers) if a is t), None)
+        if idx is None:  # not a jit input: computed in a trace, or a loop body's value
+            spread = any(
+                _sharding_placement(s)[0] != "unsharded"
+                for j in traces
+                for s in j.in_shardings
+                if isinstance(s, jax.sharding.Sharding)
             )
-            return ("unsharded", None) if unsharded else ("unknown", None)
+            if _on_a_mesh(t) or spread:
+                return ("unknown", None)
+            return ("unsharded", None)
         given = jt.in_shardings[idx]
         if isinstance(given, jax.sharding.Sharding):
             return _sharding_placement(given)
         x = jt.args[idx]
         t = _compat.jaxpr_tracer(x)
-    return ("unknown", None) if t is not None else _value_placement(x)
+        if t is None:
+            return _value_placement(x)
 
 
-def _input_placement(traces: Sequence[Any], k: int, i: int) -> tuple[str, Any]:
-    """`traced_placement` of input `i` of `traces[k]`."""
-    jt = traces[k]
-    if isinstance(jt.in_shardings[i], jax.sharding.Sharding):
-        return _sharding_placement(jt.in_shardings[i])
-    x = jt.args[i]
-    t = _compat.jaxpr_tracer(x)
-    if t is None:
-        return _value_placement(x)
-    if k + 1 < len(traces) and getattr(t, "_trace", None) is traces[k + 1].trace:
-        idx = next((j for j, a in enumerate(traces[k + 1].in_tracers) if a is t), None)
-        if idx is not None:
-            return _input_placement(traces, k + 1, idx)
-    return ("unknown", None)
+def _on_a_mesh(t: Any) -> bool:
+    """Whether tracer `t`'s aval is on a mesh of more than one device (True when it cannot
+    be told)."""
+    mesh = getattr(getattr(jax.typeof(t), "sharding", None), "mesh", None)
+    if mesh is None:
+        return True
+    return not getattr(mesh, "empty", False) and math.prod(mesh_axes(mesh).values()) > 1
 
 
 def _value_placement(x: Any) -> tuple[str, Any]:
@@ -410,13 +410,22 @@ def check_known(args: Sequence[Any], avals: Sequence[Any], in_shardings: Any = N
     )
     raise ValueError(
         f"jremat.auto is called inside jax.jit {where}, where the traced arguments do not say "
-        f"how they are sharded ({len(hidden)} of {len(flat)} array leaves), and a plan "
+        f"how they are sharded ({len(hidden)} of {len(flat)} array leaves: "
+        f"{_leaf_names(args, hidden)}; values the caller computed on a mesh, or a loop body's, "
+        "whose sharding GSPMD decides when the caller's program compiles), and a plan "
         "verified for another partitioning does not hold for the program that runs. Pass "
         "in_shardings= (as to jax.jit: the shardings the arguments run under, with mesh= or "
         "jax.set_mesh for PartitionSpecs), in_shardings=PartitionSpec() if they are not "
         "sharded (one device, or replicated), or use explicit sharding "
         "(jax.sharding.AxisType.Explicit), whose tracers carry their shardings."
     )
+
+
+def _leaf_names(args: Sequence[Any], which: Sequence[int], most: int = 4) -> str:
+    """The paths (`args[1]['w']`) of the flattened leaves `which` of `args`, the first `most`."""
+    paths = [p for p, _ in jax.tree_util.tree_flatten_with_path(tuple(args))[0]]
+    names = [f"args{jax.tree_util.keystr(paths[i])}" for i in which[:most]]
+    return ", ".join(names) + (", ..." if len(which) > most else "")
 
 
 def arg_mesh(flat_args: Sequence[Any]) -> Any:
