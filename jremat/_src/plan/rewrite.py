@@ -12,6 +12,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 from jremat import policies
@@ -182,15 +183,33 @@ def tied_checkpoint(
         floats = [c for c in jax.tree_util.tree_leaves(ct) if _compat.is_float_dtype(c.dtype)]
         tie = sum(_one_element(c).astype("float32") for c in floats if c.size) * 0.0
 
-        def tied(r):
-            if not _compat.is_float_dtype(r.dtype) or _compat.in_host_memory(r):
-                return r  # an offloaded residual returns to the device inside the VJP
-            return r + tie.astype(r.dtype)
-
-        return jax.tree_util.tree_map(tied, vjp_fn)(ct)
+        return jax.tree_util.tree_map(lambda r: _tied(r, tie), vjp_fn)(ct)
 
     f.defvjp(fwd, bwd)
     return f
+
+
+def _tied(r: Any, tie: Any) -> Any:
+    """Residual `r` made to depend on `tie` (a float32 zero read from the cotangent) without
+    changing its value: floats and integers plus `tie`, booleans and-ed with `tie == 0`, a
+    PRNG key array through its key data. Every dtype, not only floats: an untied integer or
+    key residual lets XLA compute what depends on it alone (a dropout mask drawn from a key)
+    before the cotangent, merged with the forward pass; jax 0.10, a key computed in the
+    caller's jit: 1.04x the unrematerialized temp at budget 0.7. An offloaded residual
+    returns to the device inside the VJP and is left as it is; float0 holds no data."""
+    if _compat.in_host_memory(r) or not hasattr(r, "dtype"):
+        return r
+    dtype = r.dtype
+    if _compat.is_extended_dtype(dtype):
+        if not jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key):
+            return r
+        data = _tied(jax.random.key_data(r), tie)
+        return jax.random.wrap_key_data(data, impl=jax.random.key_impl(r))
+    if dtype == jax.dtypes.float0:
+        return r
+    if dtype == jnp.bool_:
+        return jnp.logical_and(r, tie == 0)
+    return r + tie.astype(dtype)
 
 
 def _one_element(c: Any) -> Any:
