@@ -161,9 +161,7 @@ def _on_a_mesh(t: Any) -> bool:
     """Whether tracer `t`'s aval is on a mesh of more than one device (True when it cannot
     be told)."""
     mesh = getattr(getattr(jax.typeof(t), "sharding", None), "mesh", None)
-    if mesh is None:
-        return True
-    return not getattr(mesh, "empty", False) and math.prod(mesh_axes(mesh).values()) > 1
+    return mesh is None or mesh.size > 1  # the empty mesh has size 1
 
 
 def _value_placement(x: Any) -> tuple[str, Any]:
