@@ -1,16 +1,17 @@
-"""Regenerate the figures README.md quotes from the current code (one command).
+"""Regenerate the default comparison the docs' benchmarks page quotes (one command).
 
     python benchmarks/readme_tables.py      # writes benchmarks/results/readme.md and .json
     python benchmarks/readme_tables.py --render   # the Markdown again from the JSON
 
 Runs `jremat compare` on the default model (Hugging Face Flax GPT-2, 6 layers, d=128, a batch
 of 8x128 byte tokens) at budgets 0.25 / 0.5 / 0.75 with `solver="auto"`, and writes each block
-README.md shows between `<!-- readme:NAME -->` and `<!-- /readme:NAME -->` markers: the
+docs/benchmarks/index.md shows between `<!-- readme:NAME -->` and `<!-- /readme:NAME -->`
+markers (the names date from when README.md showed them): the
 comparison table (compiled figures only: XLA's `memory_analysis()` temp and footprint bytes,
 `cost_analysis()` FLOPs, the gradient difference; no seconds, which depend on the machine) and
-the sentence comparing `auto` with the built-ins, and replaces the same blocks in README.md
-(`--no-readme`: only the results files); `tests/test_readme_tables.py` checks that README.md's
-blocks equal this file's.
+the sentence comparing `auto` with the built-ins, and replaces the same blocks in
+docs/benchmarks/index.md (`--no-docs`: only the results files); `tests/test_readme_tables.py`
+checks that the page's blocks equal this file's.
 About a minute on an idle 2-core CPU.
 """
 
@@ -25,9 +26,9 @@ import jax
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 OUT = os.path.join(HERE, "results", "readme.md")
-README = os.path.join(os.path.dirname(HERE), "README.md")
+PAGE = os.path.join(os.path.dirname(HERE), "docs", "benchmarks", "index.md")
 BUDGETS = (0.25, 0.5, 0.75)
-#: Columns README.md shows (the table's seconds columns depend on the machine).
+#: Columns the benchmarks page shows (the table's seconds columns depend on the machine).
 COLUMNS = (
     "policy",
     "budget",
@@ -40,7 +41,7 @@ COLUMNS = (
 
 
 def block(name: str, text: str) -> str:
-    """`text` between the markers README.md and the results file share."""
+    """`text` between the markers the benchmarks page and the results file share."""
     return f"<!-- readme:{name} -->\n{text.strip()}\n<!-- /readme:{name} -->"
 
 
@@ -106,7 +107,9 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=OUT)
     ap.add_argument(
-        "--no-readme", action="store_true", help="write only the results files, not README.md"
+        "--no-docs",
+        action="store_true",
+        help="write only the results files, not docs/benchmarks/index.md",
     )
     ap.add_argument(
         "--render",
@@ -135,7 +138,7 @@ def main(argv=None) -> int:
         result.to_json(data)
         platform = f"jax {jax.__version__}, {jax.devices()[0].platform}"
     md = [
-        "# Figures quoted in README.md",
+        "# The default comparison (docs/benchmarks/index.md)",
         "",
         f"Written by `python benchmarks/readme_tables.py` ({platform}): `jremat compare` on "
         f"{result.description}, unrematerialized temp "
@@ -150,16 +153,17 @@ def main(argv=None) -> int:
     with open(args.out, "w") as f:
         f.write("\n".join(md) + "\n")
     print("\n".join(md))
-    if not args.no_readme:
-        write_readme(blocks("\n".join(md)))
+    if not args.no_docs:
+        write_page(blocks("\n".join(md)))
     return 0
 
 
-def write_readme(new: dict[str, str], path: str = README) -> None:
-    """Replace each `<!-- readme:NAME -->` block of README.md with the block of that name.
+def write_page(new: dict[str, str], path: str = PAGE) -> None:
+    """Replace each `<!-- readme:NAME -->` block of the benchmarks page with the block of that
+    name.
 
     Raises:
-      ValueError: README.md lacks one of the blocks (its markers were edited away).
+      ValueError: the page lacks one of the blocks (its markers were edited away).
     """
     with open(path) as f:
         text = f.read()

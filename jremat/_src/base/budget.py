@@ -98,10 +98,21 @@ def _bad(budget: Any, why: str) -> ValueError:
 
 
 def parse_budget(budget: Any) -> Budget:
-    """Parse a budget in any accepted form (see the module docstring).
+    """Parse a budget in any accepted form, as every planning call does.
 
     A `Budget` (already parsed) is returned as it is, so callers parse once and pass the result
     down (`jremat.auto` -> `PlanCache` -> `jremat.plan`).
+
+    Args:
+      budget: a float in (0, 1]: a fraction of the unrematerialized program's compiled temp
+        bytes; an int > 0: a cap on the compiled footprint (argument + output - alias + temp)
+        in bytes; a string with a unit, e.g. "512MiB", "8GB", "1.5 GiB" (KB/MB/GB powers of
+        1000, KiB/MiB/GiB powers of 1024): a footprint cap; "auto": the device's free memory
+        (on CPU the host's available memory) as a footprint cap.
+
+    Returns:
+      A `Budget` with exactly one of `fraction` (float) or `footprint_bytes` (int) set, and
+      `raw`, the budget as given.
 
     Raises:
       ValueError: budget <= 0, a float > 1, NaN/inf, a bool, a complex number, an array that

@@ -123,8 +123,8 @@ def auto(
       static_argnames: Flax targets: names of static arguments (honoured, unlike in
         `jax.checkpoint`, which ignores them; names and positions complete each other).
       methods: linen/NNX classes: the methods to transform (default `["__call__"]`).
-      variables, rngs: linen: the variable collections and PRNG sequences lifted (as
-        `nn.remat`; default all).
+      variables: linen: the variable collections lifted (as `nn.remat`; default all).
+      rngs: linen: the PRNG sequences lifted (as `nn.remat`; default all).
       plan_dir: a folder for saved plans: each plan is written there as JSON, keyed by a
         stable hash of the signature, shardings, budget, solver, program fingerprint, backend
         and jax/jremat versions, and loaded instead of solved when a later run meets the same

@@ -53,6 +53,7 @@ class Segment:
 
     @property
     def checkpointed(self) -> bool:
+        """Whether the segment runs under `jax.checkpoint` (its policy is not "keep")."""
         return self.policy != KEEP
 
 

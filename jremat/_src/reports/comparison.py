@@ -503,7 +503,7 @@ def compare(
       TypeError: `fn` does not return a scalar float (with `has_aux`, a pair whose first
         element is one), `argnums` selects no float input, or `has_aux` is not a bool.
 
-    Example:
+    Examples:
       >>> import jax.numpy as jnp, jremat
       >>> loss = lambda w, x: jnp.mean(jnp.tanh(x @ w) ** 2)
       >>> c = jremat.compare(loss, jnp.ones((8, 8)), jnp.ones((4, 8)), budgets=())

@@ -68,7 +68,8 @@ class Explanation:
 
     Attributes:
       rows: `ExplainRow`s sorted by `activation_bytes`, largest first.
-      plan: the `Plan` explained; graph: the traced `Graph` it refers to.
+      plan: the `Plan` explained.
+      graph: the traced `Graph` it refers to.
       baseline_temp_bytes: compiled temp bytes without remat (None with verify=False).
       planned_temp_bytes: compiled temp bytes under the plan (None when not compiled).
       budget: the budget asked for.
@@ -83,10 +84,12 @@ class Explanation:
 
     @property
     def total_recompute_flops(self) -> float:
+        """FLOPs the backward pass recomputes under the plan: the sum over the rows."""
         return float(sum(r.recompute_flops for r in self.rows))
 
     @property
     def total_flops(self) -> float:
+        """Forward FLOPs of the program: the sum over the rows."""
         return float(sum(r.flops for r in self.rows))
 
     def to_dicts(self) -> list[dict[str, Any]]:
@@ -181,10 +184,15 @@ def explain(
       target: as above.
       *args: example arguments (arrays or `jax.ShapeDtypeStruct`s for functions; real
         variables/modules for Flax).
-      budget, solver, verify, max_rounds: as `jremat.plan`.
+      budget: as `jremat.plan`.
+      solver: as `jremat.plan`.
+      verify: as `jremat.plan`.
+      max_rounds: as `jremat.plan`.
       argnums: functions only: the differentiated arguments (default 0).
-      method, rngs, mutable, **kwargs: linen only, passed to `model.apply`; for NNX and
-        functions, `**kwargs` are passed to the call.
+      method: linen only, passed to `model.apply`.
+      rngs: linen only, passed to `model.apply`.
+      mutable: linen only, passed to `model.apply`.
+      **kwargs: linen: passed to `model.apply`; NNX modules and functions: passed to the call.
 
     Returns:
       An `Explanation`: `.rows`, `.plan`, `.graph`, compiled totals; `str()` is the table.

@@ -30,7 +30,7 @@ def pareto_front(points: Sequence[Sequence[float]]) -> list[int]:
     Raises:
       ValueError: a point does not have exactly two coordinates.
 
-    Example:
+    Examples:
       >>> pareto_front([(0, 10), (5, 4), (6, 4), (20, 1), (3, 12)])
       [0, 1, 3]
     """

@@ -113,10 +113,12 @@ class Graph:
 
     @property
     def num_nodes(self) -> int:
+        """The number of equations (nodes) of the program."""
         return len(self.nodes)
 
     @property
     def total_flops(self) -> float:
+        """FLOPs of the forward program: the sum of its equations' FLOPs."""
         return float(sum(n.flops for n in self.nodes))
 
     def is_temp(self, vid: int) -> bool:

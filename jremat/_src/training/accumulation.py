@@ -162,7 +162,7 @@ def lr_scale_factor(k: Any, rule: str | None, reference_k: int = 1) -> Any:
     Raises:
       ValueError: unknown `rule`.
 
-    Example:
+    Examples:
       >>> lr_scale_factor(4, "linear"), lr_scale_factor(4, "sqrt")
       (4.0, 2.0)
     """
@@ -253,7 +253,7 @@ def accumulate(
       ValueError: `every_k <= 0`; unknown `reduction` or `lr_scaling`;
         `reference_k <= 0`; both `skip_non_finite` and `should_skip_update_fn`.
 
-    Example:
+    Examples:
       >>> import jax.numpy as jnp, optax
       >>> from jremat import accumulate, has_updated
       >>> opt = accumulate(optax.sgd(0.5), every_k=2)
@@ -373,7 +373,7 @@ def has_updated(state: Any) -> jax.Array:
     Raises:
       TypeError: no or several `MultiStepsState` in `state`.
 
-    Example:
+    Examples:
       >>> import jax.numpy as jnp, optax
       >>> opt = accumulate(optax.sgd(1.0), 1)
       >>> s = opt.init(jnp.zeros(2))
@@ -406,7 +406,7 @@ def state_bytes(state: Any) -> int:
     Returns:
       The bytes, an int.
 
-    Example:
+    Examples:
       >>> import jax, jax.numpy as jnp, optax
       >>> p = {"w": jnp.zeros((1000,), jnp.float32)}
       >>> state_bytes(optax.adam(1e-3).init(p))  # count (4) + mu, nu (2 * 4000)

@@ -202,7 +202,7 @@ def microbatch(
         leading axis, leaves with different leading sizes, or a batch size that
         `num_microbatches` does not divide (the message lists accepted values).
 
-    Example:
+    Examples:
       >>> import jax, jax.numpy as jnp
       >>> from jremat import microbatch
       >>> def loss_fn(w, batch):
