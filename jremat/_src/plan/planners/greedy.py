@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from jremat._src.plan.plan import Plan
 from jremat._src.plan.planners.model import OnSegmentModel, SegmentModel, Segments
-from jremat._src.plan.planners.segments import KEEP_OPTION
+from jremat._src.plan.planners.segments import KEEP_OPTION, LADDER_OPTIONS, SegmentTable
 from jremat._src.trace.layers import layer_segments
 
 #: Options from the least memory to the most; the greedy moves segments up this ladder.
@@ -38,12 +38,12 @@ def choose(model: SegmentModel, model_budget: float) -> Segments | None:
     cheapest memory choice exceeds `model_budget` bytes."""
     t = model.table
     segs = _segments(model)
-    ladder = [o for o in LADDER if o in t.options]
+    ladders = [_ladder(t, a, b) for a, b in segs]
     level = [0] * len(segs)
 
     def peak(levels) -> float:
         run, pk = 0.0, 0.0
-        for (a, b), lv in zip(segs, levels, strict=True):
+        for (a, b), ladder, lv in zip(segs, ladders, levels, strict=True):
             k = t.option_index(ladder[lv])
             run += t.stored[k, a, b]
             pk = max(pk, run + t.transient[k, a, b])
@@ -54,7 +54,7 @@ def choose(model: SegmentModel, model_budget: float) -> Segments | None:
     while True:
         best, best_ratio = None, 0.0
         current = peak(level)
-        for i, (a, b) in enumerate(segs):
+        for i, ((a, b), ladder) in enumerate(zip(segs, ladders, strict=True)):
             k0 = t.option_index(ladder[level[i]])
             for lv in range(level[i] + 1, len(ladder)):
                 k1 = t.option_index(ladder[lv])
@@ -75,7 +75,28 @@ def choose(model: SegmentModel, model_budget: float) -> Segments | None:
         if best is None:
             break
         level = best
-    return [(a, b, ladder[lv]) for (a, b), lv in zip(segs, level, strict=True)]
+    return [(a, b, lad[lv]) for (a, b), lad, lv in zip(segs, ladders, level, strict=True)]
+
+
+def _ladder(t: SegmentTable, a: int, b: int) -> list[str]:
+    """Segment (a, b)'s options from the least memory to the most: `LADDER`'s, with the
+    per-value rungs (`segments.LADDER_OPTIONS`) the table holds placed by the bytes they
+    store in this segment (fewer FLOPs first among equal bytes)."""
+    ladder = [o for o in LADDER if o in t.options]
+    for name in [o for o in t.options if o in LADDER_OPTIONS]:
+        k = t.option_index(name)
+        at = next(
+            (
+                i
+                for i, o in enumerate(ladder)
+                if o != "nothing"
+                and (t.stored[t.option_index(o), a, b], -t.cost[t.option_index(o), a, b])
+                > (t.stored[k, a, b], -t.cost[k, a, b])
+            ),
+            len(ladder) - 1,
+        )
+        ladder.insert(at, name)
+    return ladder
 
 
 class GreedyPlanner(OnSegmentModel):

@@ -75,16 +75,67 @@ def _is_expensive(graph: Graph, vid: int, flops_per_byte: float = 8.0) -> bool:
     return node.flops / out_bytes >= flops_per_byte
 
 
+def flops_per_byte(graph: Graph, vid: int) -> float:
+    """FLOPs that recomputing value `vid` costs per byte of it: its dot/conv source's FLOPs
+    (through a short same-size elementwise chain, as `dots_saveable` names it) or else its
+    producer's, over the bytes that equation outputs. 0 for arguments and data movement."""
+    node = _dot_source(graph, vid)
+    if node is None:
+        p = graph.values[vid].producer
+        if p < 0:
+            return 0.0
+        node = graph.nodes[p]
+    return node.flops / max(sum(graph.values[o].nbytes for o in node.outputs), 1)
+
+
+def _fpb_at_least(tau: float) -> Callable[[Graph, int], bool]:
+    return lambda g, v: g.values[v].is_float and flops_per_byte(g, v) >= tau
+
+
+#: Thresholds (FLOPs per stored byte) of the per-value save sets: a segment under
+#: "fpb>=t" saves every floating value whose recompute costs at least t FLOPs per byte (dots,
+#: convs, reductions) and recomputes the rest, the ratio PyTorch's activation-memory knapsack
+#: ranks values by. Values cluster
+#: at powers of two (elementwise 0.25 for float32; a matmul's contraction size / 2: the
+#: attention scores at head_dim / 2, projections at width / 2), so the thresholds sit
+#: between them, a factor 4 apart. docs/design.md#per-value-save-sets.
+FPB_LADDER = (0.375, 1.5, 6.0, 24.0, 96.0, 384.0)
+
 #: Save sets a checkpointed segment may choose (Rotor/Rockmate-style options per segment):
 #: name -> predicate on a value id. "nothing", "dots" and "dots_no_batch" are JAX's
 #: nothing_saveable, dots_saveable and dots_with_no_batch_dims_saveable restricted to the values
-#: the backward pass needs; "expensive" keeps results costing >= 8 FLOPs per stored byte.
+#: the backward pass needs; "expensive" keeps results costing >= 8 FLOPs per stored byte;
+#: "fpb>=t" the per-value ladder (`FPB_LADDER`; `segment_table` drops a rung that selects
+#: the same values as an option before it on the graph at hand).
 SAVE_OPTIONS: dict[str, Callable[[Graph, int], bool]] = {
     "nothing": lambda g, v: False,
     "dots_no_batch": _is_unbatched_dot,
     "expensive": _is_expensive,
     "dots": _is_dot,
+    **{f"fpb>={tau:g}": _fpb_at_least(tau) for tau in FPB_LADDER},
 }
+
+#: The per-value ladder's option names (`segment_table` may drop them per graph; the others
+#: always stay: JAX's policies map onto them).
+LADDER_OPTIONS = tuple(f"fpb>={tau:g}" for tau in FPB_LADDER)
+
+
+def distinct_options(graph: Graph, options: Sequence[str]) -> list[str]:
+    """`options` without the `LADDER_OPTIONS` rungs that select, on `graph`, the same
+    floating values as an option before them (the same segment costs; the DPs' work grows
+    with the number of options)."""
+    seen: list[frozenset[int]] = []
+    out = []
+    produced = [v.id for v in graph.values if v.producer >= 0 and v.is_float]
+    for name in options:
+        pred = SAVE_OPTIONS.get(OFFLOAD_OPTIONS.get(name, name))
+        chosen = frozenset(v for v in produced if pred(graph, v)) if pred else None
+        if name in LADDER_OPTIONS and chosen in seen:
+            continue
+        if chosen is not None and name not in OFFLOAD_OPTIONS:
+            seen.append(chosen)
+        out.append(name)
+    return out
 
 
 #: Host-offload options: name -> the `SAVE_OPTIONS` entry whose values the segment offloads
@@ -181,6 +232,7 @@ def segment_table(
         if name not in SAVE_OPTIONS and name not in OFFLOAD_OPTIONS:
             known = ", ".join([*SAVE_OPTIONS, *OFFLOAD_OPTIONS])
             raise ValueError(f"unknown segment option {name!r}; known: {known}")
+    options = distinct_options(graph, options)
     m = len(cuts)
     n = graph.num_nodes
     cross = crossing_bytes(graph)

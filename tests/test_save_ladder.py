@@ -1,0 +1,142 @@
+"""The per-value save sets (`segments.FPB_LADDER`): a segment saves the values whose recompute
+costs at least t FLOPs per byte. What they select, which rungs a graph keeps, what the
+rewritten program keeps as residuals, and that the planners' plans with them are exact."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jremat
+from jremat._src.base import compat as _compat
+from jremat._src.plan.plan import SAVE_NAMES
+from jremat._src.plan.planners.model import SegmentModel
+from jremat._src.plan.planners.segments import (
+    LADDER_OPTIONS,
+    SAVE_OPTIONS,
+    distinct_options,
+    flops_per_byte,
+    saved_values,
+)
+from jremat._src.plan.rewrite import rematerialize, residual_name
+from tests.models import assert_trees_close, decoder, layer_spans, tile_plan
+
+
+@pytest.fixture(scope="module")
+def model():
+    return decoder(depth=2)
+
+
+@pytest.fixture(scope="module")
+def graph(model):
+    with jremat.disabled():
+        return jremat.trace(model.loss, *model.args)
+
+
+def test_flops_per_byte_of_a_matmul_is_its_contraction_over_the_itemsize():
+    """2*M*N*K FLOPs over M*N*4 bytes: K/2 for float32; elementwise values 1/4."""
+
+    def loss(w, x):
+        return jnp.sum(jnp.tanh(x @ w))
+
+    graph = jremat.trace(loss, jnp.ones((64, 8)), jnp.ones((16, 64)))
+    by_primitive = {
+        graph.nodes[v.producer].primitive: flops_per_byte(graph, v.id)
+        for v in graph.values
+        if v.producer >= 0
+    }
+    assert by_primitive["dot_general"] == 64 / 2
+    assert by_primitive["tanh"] == 0.25
+
+
+def test_each_rung_saves_the_values_at_or_above_its_threshold(graph):
+    ratios = {v.id: flops_per_byte(graph, v.id) for v in graph.values if v.producer >= 0}
+    for name in LADDER_OPTIONS:
+        tau = float(name.split(">=")[1])
+        got = set(saved_values(graph, 0, graph.num_nodes, name))
+        want = {v for v, r in ratios.items() if r >= tau and graph.values[v].is_float}
+        assert got == want, name
+
+
+def test_rungs_selecting_what_an_earlier_option_selects_are_dropped(graph):
+    kept = distinct_options(graph, tuple(SAVE_OPTIONS))
+    assert kept[:4] == ["nothing", "dots_no_batch", "expensive", "dots"]  # JAX's, always
+    sets = [frozenset(saved_values(graph, 0, graph.num_nodes, o)) for o in kept]
+    assert len(set(sets)) == len(sets)
+    # the decoder's attention scores (head_dim 4: 2 FLOPs per byte) split the ladder from
+    # `dots`: some rung survives
+    assert any(o in LADDER_OPTIONS for o in kept)
+    table = SegmentModel(graph).table
+    assert table.options == ["keep", *kept]
+
+
+def test_a_rung_keeps_only_its_values_as_residuals_and_the_gradient_is_exact(model, graph):
+    """Every layer checkpointed under one rung (each rung that saves something inside the
+    layers): JAX keeps as named residuals only values of that rung's set, and the gradient
+    equals the unrematerialized one."""
+    rungs = [o for o in distinct_options(graph, tuple(SAVE_OPTIONS)) if o in LADDER_OPTIONS]
+    flat = jax.tree_util.tree_leaves(model.args)
+    avals = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in flat]
+    treedef = jax.tree_util.tree_structure(model.args)
+    diff = [_compat.is_float_dtype(x.dtype) for x in flat]
+    want = jax.grad(model.loss)(*model.args)
+    checked = 0
+    for option in rungs:
+        spans = [
+            (s, e, SAVE_NAMES, saved_values(graph, s, e, option)) for s, e in layer_spans(graph)
+        ]
+        if not any(saved for *_, saved in spans):
+            continue
+        fn = rematerialize(model.loss, tile_plan(graph, spans))
+
+        def flat_fn(*leaves, fn=fn):
+            return fn(*jax.tree_util.tree_unflatten(treedef, leaves))
+
+        kept = _compat.residual_names(flat_fn, avals, diff)
+        allowed = {residual_name(v) for *_, saved in spans for v in saved}
+        assert kept and kept <= allowed, (option, sorted(kept - allowed)[:5])
+        assert_trees_close(jax.grad(fn)(*model.args), want, rtol=1e-5)
+        checked += 1
+    assert checked >= 2, rungs
+
+
+def test_the_chain_dp_is_never_worse_with_the_ladder(graph):
+    """The ladder only adds options: at every model budget the DP's optimum is at most what
+    it is without them."""
+    coarse = SegmentModel(graph, options=("nothing", "dots_no_batch", "expensive", "dots"))
+    fine = SegmentModel(graph)
+    lo = coarse.min_memory_plan("chain").predicted_temp_bytes
+    hi = coarse.no_remat_peak()
+    gains = []
+    for f in np.linspace(0.05, 0.95, 7):
+        budget = lo + f * (hi - lo)
+        a, b = coarse.cheapest_segments(budget), fine.cheapest_segments(budget)
+        assert b is not None and b[0] <= a[0] * (1 + 1e-9), (f, a[0], b[0])
+        gains.append(b[0] < a[0] * (1 - 1e-6))
+    assert any(gains)
+
+
+@pytest.mark.parametrize("solver", ["chain", "greedy", "milp"])
+def test_every_planner_chooses_rungs_and_its_plans_fit(graph, solver):
+    """The chain DP, the greedy and the MILP all see the rungs: at some budget their plan
+    takes one; every plan's modelled peak fits its model budget."""
+    from jremat._src.plan.planners import PLANNERS
+
+    kw = {"time_limit": None} if solver == "milp" else {}
+    planner = PLANNERS[solver](graph, **kw)
+    model, t = planner.model, planner.model.table
+    lo = model.min_memory_plan(solver).predicted_temp_bytes
+    hi = model.no_remat_peak()
+    taken = set()
+    for f in np.linspace(0.1, 0.9, 5):
+        budget = lo + f * (hi - lo)
+        plan = planner.plan(budget)
+        assert plan is not None
+        # the peak as planned (before adjacent kept segments merge into one)
+        assert plan.predicted_temp_bytes <= budget * (1 + 1e-9)
+        segs = model.segments_of(plan)
+        assert segs is not None
+        taken |= {t.options[k] for *_, k in segs}
+    assert taken & set(LADDER_OPTIONS), (solver, taken)
