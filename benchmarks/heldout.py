@@ -258,7 +258,7 @@ def per_value_rows(name: str, budgets) -> tuple[list[str], list[str]]:
         sol = pv.solve(budget, start=None if found is None else found[1])
         seconds = time.perf_counter() - t0
         if sol is None or found is None:
-            out.append(f"| {name} | {b} | infeasible in the model | - | - | - | - |")
+            out.append(f"| {name} | {b} | infeasible in the model | - | - | - |")
             continue
         ref = max(sol.objective, 1.0)
         chain_peak, chain_flops = pv.pricer.path_cost(option_pieces(graph, cuts, found[1]))
