@@ -7,6 +7,10 @@ greedy  cost-per-byte knapsack over save sets (PyTorch's activation memory budge
 dtr     simulated Dynamic Tensor Rematerialization (Kirisame et al., ICLR 2021)
 milp    exact mixed-integer program on HiGHS (Checkmate, Jain et al., MLSys 2020)
 
+Not solvers of `jremat.plan`, references for tests and benchmarks:
+save_sets    one segment's costs under any set of saved values (the segment model's formula)
+milp_values  Checkmate's program value by value on that accounting: the per-value optimum
+
 Every planner holds a `SegmentModel` (`planner.model`) and offers `name`, `offload`, `table`,
 `no_remat_peak()`, `min_memory_plan()` and `plan(model_budget)`; none imports another.
 """

@@ -1,0 +1,248 @@
+"""What one segment costs under any save set, value by value, in the segment model's terms.
+
+`segments.segment_table` prices each segment `[start, end)` under a few save options (a
+predicate on value ids). This module prices it under an arbitrary set of saved value ids,
+with the same accounting (docs/design.md#planners), so that per-value planners (the per-value
+MILP, DTR) and the option planners (chain, greedy, the segment MILP) are priced by one formula:
+
+  stored    = live-in bytes + kept bytes
+  transient = internal residual bytes - kept bytes + cotangent bytes at both cuts
+              + working set (the larger crossing at the two cuts)
+  flops     = FLOPs of the equations the segment's backward recomputes
+
+An equation is recomputed iff one of its unsaved outputs is needed: a residual of an equation
+in the segment, or the input of a recomputed equation (JAX's partial evaluation drops the
+rest). A saved value is kept iff it is needed (otherwise JAX drops it). A kept segment (no
+checkpoint) stores its live-in and internal residual bytes and holds cotangents and working
+set. For a save set equal to an option's selection, `SaveSetPricer.price` reproduces that
+option's `segment_table` entry exactly (tests/test_milp_values.py).
+
+Both a kept and a checkpointed segment have `stored + transient = live_in + internal +
+boundary`, whatever the save set: the set moves bytes between the segment's own backward and
+the stores every later segment's backward sees.
+"""
+
+from __future__ import annotations
+
+import bisect
+import dataclasses
+from collections.abc import Iterable, Sequence
+
+import numpy as np
+
+from jremat._src.plan.planners.segments import KEEP_OPTION, _float_crossing, saved_values
+from jremat._src.trace.graph import Graph
+from jremat._src.trace.layers import crossing_bytes
+
+#: A priced path: `[(start, end, saved)]` node ranges tiling the program, each kept
+#: (`saved` None) or checkpointed saving the value ids `saved`.
+Pieces = list[tuple[int, int, "tuple[int, ...] | None"]]
+
+
+@dataclasses.dataclass(frozen=True)
+class SaveSetCost:
+    """The segment model's costs of one segment.
+
+    Attributes:
+      stored: bytes kept from the forward to the backward pass.
+      transient: bytes live while the segment's backward runs besides the stores.
+      flops: FLOPs its backward recomputes.
+      recomputed: node indices it recomputes (ascending).
+      kept: saved value ids its backward needs (ascending); the rest of a save set is dropped.
+    """
+
+    stored: float
+    transient: float
+    flops: float
+    recomputed: tuple[int, ...] = ()
+    kept: tuple[int, ...] = ()
+
+
+@dataclasses.dataclass(frozen=True)
+class SegmentFacts:
+    """What a segment `[start, end)` costs whatever it saves (bytes).
+
+    Attributes:
+      start, end: node range.
+      live_in: bytes of values produced before `start` and read inside the segment.
+      internal: residual bytes produced and first needed inside it, plus its control-flow
+        nodes' internal residual bytes (scan stacks).
+      boundary: cotangent bytes at both cuts plus the working set (larger crossing of the two).
+      needed: node indices that a checkpoint saving nothing recomputes (a superset of what
+        any save set recomputes).
+      candidates: float value ids produced inside whose saving can matter: residuals of a
+        node inside, or inputs of a node in `needed`.
+    """
+
+    start: int
+    end: int
+    live_in: float
+    internal: float
+    boundary: float
+    needed: tuple[int, ...]
+    candidates: tuple[int, ...]
+
+
+class SaveSetPricer:
+    """Prices segments of one graph under any save set (see the module docstring).
+
+    Args:
+      graph: a traced program (`jremat.trace`).
+      recompute_internal: False (default): `segment_table`'s accounting, where a node with
+        internal residual bytes (`Node.internal_bytes`: a custom_jvp's or a scan's own
+        residuals) moves them to the transient bytes of a checkpointed segment but costs
+        FLOPs only when one of its outputs is needed. True: such a node is always recomputed
+        in a checkpointed segment (its internal residuals cannot be saved by name, and its
+        own backward needs them), so its FLOPs are charged and its inputs needed.
+    """
+
+    def __init__(self, graph: Graph, recompute_internal: bool = False):
+        self.graph = graph
+        self.recompute_internal = recompute_internal
+        self.res_first: dict[int, int] = {}  # value id -> first node keeping it as residual
+        for node in graph.nodes:
+            for v in node.residuals:
+                self.res_first.setdefault(v, node.index)
+        self._cross = crossing_bytes(graph)
+        self._float_cross = _float_crossing(graph)
+        internal = [float(nd.internal_bytes) for nd in graph.nodes]
+        self._internal_cum = np.concatenate([[0.0], np.cumsum(internal)])
+        self._facts: dict[tuple[int, int], SegmentFacts] = {}
+
+    def _check_range(self, start: int, end: int) -> None:
+        n = self.graph.num_nodes
+        if not (0 <= start < end <= n):
+            raise ValueError(f"need 0 <= start < end <= {n} (nodes); got start={start}, end={end}")
+
+    def _needed(self, start: int, end: int, saved) -> list[int]:
+        """Nodes of `[start, end)` the backward recomputes when the values in `saved` (a
+        container of value ids) are saved, descending."""
+        g, out, need = self.graph, [], set()
+        for i in range(end - 1, start - 1, -1):
+            if self.recompute_internal and g.nodes[i].internal_bytes:
+                need.add(i)
+                out.append(i)
+                continue
+            for o in g.nodes[i].outputs:
+                if o in saved:
+                    continue
+                if self.res_first.get(o, end) < end or any(
+                    c < end and c in need for c in g.consumers[o]
+                ):
+                    need.add(i)
+                    out.append(i)
+                    break
+        return out
+
+    def _is_needed_value(self, v: int, end: int, need) -> bool:
+        return self.res_first.get(v, end) < end or any(
+            c < end and c in need for c in self.graph.consumers[v]
+        )
+
+    def facts(self, start: int, end: int) -> SegmentFacts:
+        """The save-set-independent costs of `[start, end)`; raises ValueError for a range
+        outside `0 <= start < end <= num_nodes`."""
+        self._check_range(start, end)
+        key = (start, end)
+        if key in self._facts:
+            return self._facts[key]
+        g = self.graph
+        live_in = 0.0
+        for v in g.values:
+            if 0 <= v.producer < start:
+                cons = g.consumers[v.id]
+                k = bisect.bisect_left(cons, start)
+                if k < len(cons) and cons[k] < end:
+                    live_in += v.nbytes
+        internal = self._internal_cum[end] - self._internal_cum[start]
+        needed = self._needed(start, end, ())
+        need = set(needed)
+        candidates = []
+        for node in g.nodes[start:end]:
+            for o in node.outputs:
+                r = self.res_first.get(o)
+                if r is not None and r < end:
+                    internal += g.values[o].nbytes  # produced here, first kept here
+                if g.values[o].is_float and self._is_needed_value(o, end, need):
+                    candidates.append(o)
+        boundary = (
+            self._float_cross[start]
+            + self._float_cross[end]
+            + max(self._cross[start], self._cross[end])
+        )
+        f = SegmentFacts(
+            start, end, live_in, float(internal), float(boundary), tuple(sorted(need)),
+            tuple(candidates),
+        )  # fmt: skip
+        self._facts[key] = f
+        return f
+
+    def keep(self, start: int, end: int) -> SaveSetCost:
+        """Costs of `[start, end)` kept (no checkpoint: every residual stored)."""
+        f = self.facts(start, end)
+        return SaveSetCost(f.live_in + f.internal, f.boundary, 0.0)
+
+    def price(self, start: int, end: int, saved: Iterable[int]) -> SaveSetCost:
+        """Costs of `[start, end)` checkpointed, saving the value ids `saved`.
+
+        Ids produced outside the segment, or not needed by its backward, cost nothing (JAX
+        drops them). Raises ValueError for a bad range or an id that is no value of the graph.
+        """
+        f = self.facts(start, end)
+        g = self.graph
+        saved = set(saved)
+        bad = [v for v in saved if not (isinstance(v, int | np.integer) and 0 <= v < len(g.values))]
+        if bad:
+            raise ValueError(f"saved: {sorted(map(repr, bad))} are not value ids of the graph")
+        need_desc = self._needed(start, end, saved)
+        need = set(need_desc)
+        kept = sorted(
+            v
+            for v in saved
+            if start <= g.values[v].producer < end and self._is_needed_value(v, end, need)
+        )
+        kept_bytes = float(sum(g.values[v].nbytes for v in kept))
+        flops = float(sum(g.nodes[i].flops for i in reversed(need_desc)))
+        return SaveSetCost(
+            f.live_in + kept_bytes,
+            f.internal - kept_bytes + f.boundary,
+            flops,
+            tuple(reversed(need_desc)),
+            tuple(kept),
+        )
+
+    def path_cost(self, pieces: Pieces) -> tuple[float, float]:
+        """(modelled peak in bytes, recompute FLOPs) of a path `[(start, end, saved or None
+        for kept)]` by the segment model's peak formula `max_i (sum_{j <= i} stored_j +
+        transient_i)`. Raises ValueError when the pieces do not tile `[0, num_nodes)`."""
+        pos, running, peak, flops = 0, 0.0, 0.0, 0.0
+        for start, end, saved in pieces:
+            if start != pos:
+                raise ValueError(f"pieces: segment [{start}, {end}) does not start at {pos}")
+            c = self.keep(start, end) if saved is None else self.price(start, end, saved)
+            running += c.stored
+            peak = max(peak, running + c.transient)
+            flops += c.flops
+            pos = end
+        if pos != self.graph.num_nodes:
+            raise ValueError(f"pieces: end at node {pos}, not at {self.graph.num_nodes}")
+        return peak, flops
+
+
+def save_set_cost(graph: Graph, start: int, end: int, saved: Sequence[int]) -> SaveSetCost:
+    """Costs (bytes, FLOPs) of segment `[start, end)` of `graph` checkpointed saving the value
+    ids `saved`: `SaveSetPricer(graph).price(start, end, saved)` (build the pricer once to
+    price many sets of one graph)."""
+    return SaveSetPricer(graph).price(start, end, saved)
+
+
+def option_pieces(graph: Graph, cuts: Sequence[int], segs) -> Pieces:
+    """An option planner's choice `[(cut index a, cut index b, option name)]` over `cuts` (node
+    positions) as `Pieces`: kept segments as None, checkpointed ones as the values their plan
+    names (`segments.saved_values`), so `SaveSetPricer.path_cost` prices them value by value."""
+    out: Pieces = []
+    for a, b, option in segs:
+        start, end = cuts[a], cuts[b]
+        saved = None if option == KEEP_OPTION else tuple(saved_values(graph, start, end, option))
+        out.append((start, end, saved))
+    return out
