@@ -125,12 +125,12 @@ def test_every_planner_chooses_rungs_and_its_plans_fit(graph, solver):
     from jremat._src.plan.planners import PLANNERS
 
     kw = {"time_limit": None} if solver == "milp" else {}
-    planner = PLANNERS[solver](graph, **kw)
+    planner = PLANNERS[solver](graph, max_cuts=24, **kw)  # few cuts: a cheap MILP
     model, t = planner.model, planner.model.table
     lo = model.min_memory_plan(solver).predicted_temp_bytes
     hi = model.no_remat_peak()
     taken = set()
-    for f in np.linspace(0.1, 0.9, 5):
+    for f in (0.2, 0.5, 0.8):
         budget = lo + f * (hi - lo)
         plan = planner.plan(budget)
         assert plan is not None
