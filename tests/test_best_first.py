@@ -154,11 +154,22 @@ def test_the_planner_solves_each_model_budget_once(decoder):
 
 
 def test_a_planner_the_model_does_not_describe_hands_over_without_compiling_its_plan(decoder):
-    """dtr's plans (save sets of its own) are not in the segment model: nothing to check the
-    model against, so the full search plans them, and the best-first search compiles none of
-    them (it compiled one, then handed over as if the model expected 0 bytes)."""
+    """A planner whose plans the model does not describe (dtr's, its checkpointed segments
+    under `everything_saveable`, a policy no save option is): nothing to check the model
+    against, so the full search plans them, and the best-first search compiles none of them
+    (it compiled one, then handed over as if the model expected 0 bytes)."""
     prog = Program(decoder.loss, decoder.args, 0)
     planner = prog.planner("dtr", 160, uncalibrated=True)
+    own_plan = planner.plan
+
+    def undescribed(model_budget):
+        plan = own_plan(model_budget)
+        for seg in plan.segments if plan is not None else []:
+            if seg.checkpointed:
+                seg.policy, seg.saved = "everything_saveable", []
+        return plan
+
+    planner.plan = undescribed
     target = 0.45 * prog.baseline.temp_bytes
     assert planner.model.predict(planner.plan(target)) is None  # else this tests nothing
     search = predicted.run(

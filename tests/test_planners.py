@@ -272,3 +272,33 @@ def test_copied_model_calibrates_independently(programs):
     assert [planner.model.predict(p) for p in plans] == before
     assert planner.model.weights is None and planner.table is planner.model.raw_table
     assert [model.predict(p) for p in plans] != before
+
+
+@pytest.mark.parametrize("fraction", [0.5, 0.75])
+def test_dtr_meets_the_budget_compiled(fraction):
+    """`jremat.plan(solver="dtr")` on a small decoder: the compiled program is within the
+    budget and the gradients equal the unrematerialized ones."""
+    m = M.decoder(depth=3)
+    plan = jremat.plan(m.loss, *m.args, budget=fraction, solver="dtr")
+    prog = Program(m.loss, m.args, 0)
+    assert plan.measured_temp_bytes <= fraction * prog.baseline.temp_bytes
+    got = jax.grad(jremat.rematerialize(m.loss, plan))(*m.args)
+    M.assert_trees_close(got, jax.grad(m.loss)(*m.args), rtol=1e-5)
+
+
+def test_dtr_per_value_plan_compiles_to_exact_gradients():
+    """DTR's own plan halfway between the model's floor and no remat saves per value (the
+    residuals DTR kept, by name, in a checkpointed layer), the model prices it within the
+    budget, and its compiled program recomputes and gives the unrematerialized gradients."""
+    m = M.decoder(depth=3)
+    prog = Program(m.loss, m.args, 0)
+    dtr = PLANNERS["dtr"](prog.graph)
+    budget = 0.5 * (dtr.no_remat_peak() + dtr.model.predict(dtr.min_memory_plan()))
+    own = dtr.plan(budget)
+    assert dtr.model.predict(own) <= budget
+    assert any(s.checkpointed and s.saved for s in own.segments), own.segments
+    compiled = prog.compile(own)
+    assert compiled.temp_bytes < prog.baseline.temp_bytes
+    assert compiled.flops > prog.baseline.flops  # the evicted residuals are recomputed
+    got = jax.grad(jremat.rematerialize(m.loss, own))(*m.args)
+    M.assert_trees_close(got, jax.grad(m.loss)(*m.args), rtol=1e-5)

@@ -124,7 +124,8 @@ class ScanSetting:
       policy: the body runs under `jax.checkpoint(policy)`: a `jremat.policies` name or
         preset, or `"keep"` (the loop as it was).
       nest: k > 1 makes the loop an outer scan of length/k over checkpointed inner scans of k
-        steps (sqrt(L) nesting; ignored where k does not divide the length).
+        steps (sqrt(L) nesting); k must divide the length (`rematerialize` raises
+        ValueError otherwise).
       pieces: None, or the loop split into consecutive scans: the first `pieces[0].length`
         iterations under `pieces[0].policy`, and so on (see docs/design.md#mixes). With pieces,
         `policy` and `nest` stay at their defaults: each piece has its own. A list is stored

@@ -2,7 +2,9 @@
 
 Kirisame et al., "Dynamic Tensor Rematerialization", ICLR 2021: evict the resident tensor with
 the smallest h(t) = cost(t) / (bytes(t) x staleness(t)), run at trace time over the forward
-and backward schedule; the evictions become the plan. Details: docs/design.md#planners.
+and backward schedule; the evictions become the plan, per value: the residuals DTR keeps are
+saved by name, those it evicts are recomputed. The simulated budget is tightened until the
+plan fits the budget in the segment model. Details: docs/design.md#planners.
 """
 
 from __future__ import annotations
@@ -14,11 +16,18 @@ from jremat._src.plan.planners.segments import SAVE_OPTIONS
 from jremat._src.trace.graph import Graph
 from jremat._src.trace.layers import layer_segments
 
+#: Simulations `plan` runs at most to bring the model's peak within its budget (bisection on
+#: the simulated budget, after the simulated budget equal to the model's).
+SIMULATIONS = 16
+#: Simulated budgets below the roomy one (nothing evicted) halved this many times are not run.
+MIN_SIM_HALVINGS = 4
+
 
 class DTRPlanner(OnSegmentModel):
-    """DTR simulation (docs/design.md#planners); segments are the model's layers. DTR evicts
-    or keeps; it never offloads to host memory, so an `offload` cost is ignored (its model,
-    and so its min-memory plan, offloads nothing either).
+    """DTR simulation (docs/design.md#planners); the plan saves exactly the residuals the
+    simulation keeps, one segment per pair of consecutive cut candidates of the model. DTR
+    evicts or keeps; it never offloads to host memory, so an `offload` cost is ignored (its
+    model, and so its min-memory plan, offloads nothing either).
 
     Args:
       graph: a traced program (`jremat.trace`).
@@ -39,6 +48,7 @@ class DTRPlanner(OnSegmentModel):
         del offload  # DTR's decisions are evict/keep; its reference plans offload nothing too
         self.model = SegmentModel(graph, max_cuts, options)
         self.offload = None
+        self._segmentations: list[list[tuple[int, int]]] | None = None
 
     def simulate(self, budget: float) -> tuple[set[int], float, float]:
         """Run DTR under `budget` bytes; returns (evicted value ids, recompute FLOPs, peak
@@ -139,14 +149,30 @@ class DTRPlanner(OnSegmentModel):
                     del resident[v]
         return ever_evicted, recompute, peak
 
-    def plan(self, model_budget: float) -> Plan | None:
-        """The layers' save sets from DTR's evictions under `model_budget` bytes, or None when
-        the simulated peak exceeds it."""
+    def segmentations(self) -> list[list[tuple[int, int]]]:
+        """The node ranges a plan's segments may take: the layers (`layer_segments`, glue
+        between them kept), and one segment per pair of consecutive cut candidates. Values
+        crossing a boundary are a segment's inputs and stay stored whatever DTR did with
+        them, so which fits better depends on the program: the layers on a decoder (its
+        finest cuts store every boundary)."""
+        if self._segmentations is None:
+            cuts = self.model.cuts
+            fine = list(zip(cuts[:-1], cuts[1:], strict=True))
+            layers = layer_segments(self.model.graph)
+            self._segmentations = [layers, fine] if layers and layers != fine else [fine]
+        return self._segmentations
+
+    def plan_from_evictions(
+        self, evicted: set[int], spans: list[tuple[int, int]]
+    ) -> tuple[Plan, float] | None:
+        """(plan, modelled peak in bytes) of the plan that realizes DTR's evictions per value
+        on the node ranges `spans` (nodes between them kept): a span is kept where none of
+        the residuals it produces is in `evicted`, else checkpointed saving by name the
+        residuals it produces that are not (JAX recomputes the rest in the backward pass).
+        Predictions (per segment and the plan's) are the model's
+        (`SegmentModel.segment_costs`); None when the model cannot price the plan (a span's
+        end is no cut candidate)."""
         graph = self.model.graph
-        evicted, flops, peak = self.simulate(model_budget)
-        if peak > model_budget * 1.001:
-            return None
-        spans = layer_segments(graph)
         policies, saved = [], []
         for s, e in spans:
             res = {
@@ -155,10 +181,74 @@ class DTRPlanner(OnSegmentModel):
                 for v in node.residuals
                 if s <= graph.values[v].producer < e
             }
-            # a layer with an evicted residual saves the rest; one without keeps everything
             policies.append(SAVE_NAMES if res & evicted else KEEP)
             saved.append(sorted(res - evicted) if res & evicted else [])
         plan = Plan.from_spans(graph, spans, policies, self.name, saved)
-        plan.predicted_temp_bytes, plan.recompute_flops = int(peak), flops
-        plan.notes.append(f"dtr: {len(evicted)} residuals evicted, simulated peak {peak:,.0f}")
-        return plan
+        costs = self.model.segment_costs(plan)
+        if costs is None:
+            return None
+        running, peak = 0.0, 0.0
+        for seg, (stored, transient, flops) in zip(plan.segments, costs, strict=True):
+            running += stored
+            peak = max(peak, running + transient)
+            seg.stored_bytes, seg.transient_bytes = int(stored), int(transient)
+            seg.recompute_flops = flops
+        plan.predicted_temp_bytes = int(peak)
+        plan.recompute_flops = float(sum(c for _, _, c in costs))
+        return plan, peak
+
+    def _cheapest_fitting(self, evicted: set[int], model_budget: float) -> Plan | None:
+        """The cheaper of `evicted`'s plans on each segmentation within `model_budget`."""
+        best = None
+        for spans in self.segmentations():
+            got = self.plan_from_evictions(evicted, spans)
+            if got is not None and got[1] <= model_budget:
+                if best is None or got[0].recompute_flops < best.recompute_flops:
+                    best = got[0]
+        return best
+
+    def plan(self, model_budget: float) -> Plan | None:
+        """The cheapest plan (modelled recompute FLOPs) from DTR's evictions whose modelled
+        peak is within `model_budget` bytes, or None when none is.
+
+        DTR decides on its own simulated memory (value bytes, without the cotangents and
+        working set the segment model adds), so the simulated budget starts at
+        `model_budget` and is bisected (at most `SIMULATIONS` runs) towards the largest one
+        whose plan fits in the model. Evicting more never raises a plan's modelled peak on
+        one segmentation (a value saved moves its bytes from the segment's transient to its
+        stores), so when evicting every residual does not fit, nothing does: None, without
+        simulating; that plan is also the answer when no simulated budget fits. Simulated
+        budgets under `1 / 2**MIN_SIM_HALVINGS` of the roomy one are not run (DTR's
+        evictions saturate there, and each simulation slows as it evicts more).
+        """
+        if model_budget <= 0:
+            return None
+        graph = self.model.graph
+        if self.model.no_remat_peak() <= model_budget:  # every segment kept
+            return self.plan_from_evictions(set(), self.segmentations()[-1])[0]
+        every = {v for node in graph.nodes for v in node.residuals}
+        floor = self._cheapest_fitting(every, model_budget)
+        if floor is None:
+            return None
+        floor.notes.append("dtr: every residual recomputed (no simulated budget fitted)")
+        roomy = self.simulate(float("inf"))[2]  # the simulated peak evicting nothing
+        lo, hi = 0.0, roomy
+        sim_budget = min(model_budget, roomy)
+        best: Plan | None = None
+        for run in range(1, SIMULATIONS + 1):
+            if sim_budget < roomy / 2**MIN_SIM_HALVINGS:
+                break
+            evicted, sim_flops, sim_peak = self.simulate(sim_budget)
+            plan = self._cheapest_fitting(evicted, model_budget)
+            if plan is not None and (best is None or plan.recompute_flops < best.recompute_flops):
+                plan.notes.append(
+                    f"dtr: simulated budget {sim_budget:,.0f} bytes (run {run}): "
+                    f"{len(evicted)} values evicted, simulated peak {sim_peak:,.0f}, "
+                    f"simulated recompute {sim_flops:,.0f} FLOPs"
+                )
+                best = plan
+            lo, hi = (sim_budget, hi) if plan is not None else (lo, sim_budget)
+            sim_budget = (lo + hi) / 2
+        if best is None or floor.recompute_flops < best.recompute_flops:
+            return floor
+        return best

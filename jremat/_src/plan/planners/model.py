@@ -32,6 +32,7 @@ from jremat._src.plan.planners.segments import (
     OFFLOAD_OPTIONS,
     SAVE_OPTIONS,
     SegmentTable,
+    saved_set_costs,
     saved_values,
     segment_table,
 )
@@ -313,54 +314,108 @@ class SegmentModel:
         rematerializes scans (loop pieces are not in the segment model)."""
         if plan.scans:
             return None
+        index = {c: i for i, c in enumerate(self.raw_table.cuts)}
+        out = []
+        for seg in plan.segments:
+            a, b = index.get(seg.start), index.get(seg.end)
+            option = self._option_of(seg)
+            if a is None or b is None or option is None:
+                return None
+            out.append((a, b, self.raw_table.option_index(option)))
+        return out
+
+    def _option_of(self, seg: Segment) -> str | None:
+        """The table option `seg` is (its policy, or its saved names), or None."""
         t = self.raw_table
-        index = {c: i for i, c in enumerate(t.cuts)}
         builtin = {
             "nothing_saveable": "nothing",
             "dots_saveable": "dots",
             "dots_with_no_batch_dims_saveable": "dots_no_batch",
         }
-        out = []
+        if seg.policy == KEEP:
+            option = KEEP_OPTION
+        elif seg.policy == SAVE_NAMES and seg.offloaded and not seg.saved:
+            option = "offload_dots"
+        elif seg.policy == SAVE_NAMES and not seg.saved:
+            option = "nothing"
+        elif seg.policy == SAVE_NAMES:
+            option = next(
+                (
+                    o
+                    for o in t.options
+                    if o in SAVE_OPTIONS
+                    and saved_values(self.graph, seg.start, seg.end, o) == list(seg.saved)
+                ),
+                None,
+            )
+        else:
+            option = builtin.get(seg.policy)
+        return option if option in t.options else None
+
+    def segment_costs(self, plan: Plan) -> list[tuple[float, float, float]] | None:
+        """(stored bytes, transient bytes, cost) of each of `plan`'s segments in the
+        (calibrated) table, for every plan `segments_of` describes and also for checkpointed
+        segments saving a set of names no option selects (DTR's per-value save sets), priced
+        by `saved_set_costs`. None when a cut is not a candidate, a segment offloads a set no
+        option names, its policy is none of the table's, or the plan rematerializes scans.
+
+        Calibration (`weights`) fits one store scale per option; a save set of no option's
+        has its stores scaled by the mean scale of the table's save options and its
+        transient as a checkpointed segment's (plus the offset).
+        """
+        if plan.scans:
+            return None
+        t = self.table
+        index = {c: i for i, c in enumerate(t.cuts)}
+        out: list[tuple[float, float, float] | None] = []
+        free: list[tuple[int, int, list[int]]] = []  # segments priced by their own save sets
         for seg in plan.segments:
             a, b = index.get(seg.start), index.get(seg.end)
             if a is None or b is None:
                 return None
-            if seg.policy == KEEP:
-                option = KEEP_OPTION
-            elif seg.policy == SAVE_NAMES and seg.offloaded and not seg.saved:
-                option = "offload_dots"
-            elif seg.policy == SAVE_NAMES and not seg.saved:
-                option = "nothing"
-            elif seg.policy == SAVE_NAMES:
-                option = next(
-                    (
-                        o
-                        for o in t.options
-                        if o in SAVE_OPTIONS
-                        and saved_values(self.graph, seg.start, seg.end, o) == list(seg.saved)
-                    ),
-                    None,
+            option = self._option_of(seg)
+            if option is not None:
+                k = t.option_index(option)
+                out.append(
+                    (float(t.stored[k, a, b]), float(t.transient[k, a, b]), float(t.cost[k, a, b]))
                 )
+            elif seg.policy == SAVE_NAMES and not seg.offloaded:
+                out.append(None)
+                free.append((seg.start, seg.end, list(seg.saved)))
             else:
-                option = builtin.get(seg.policy)
-            if option not in t.options:
                 return None
-            out.append((a, b, t.option_index(option)))
+        if free:
+            stored_scale, trans_scale, offset = 1.0, 1.0, 0.0
+            if self.weights is not None:
+                scales = [self.weights[o] for o in t.options if o in SAVE_OPTIONS]
+                stored_scale = float(np.mean(scales)) if scales else 1.0
+                trans_scale = self.weights["transient_checkpointed"]
+                offset = self.weights["offset_bytes"]
+            priced = iter(saved_set_costs(self.graph, free))
+            for i, x in enumerate(out):
+                if x is None:
+                    stored, transient, flops = next(priced)
+                    out[i] = (stored * stored_scale, transient * trans_scale + offset, flops)
         return out
 
     def predict(self, plan: Plan) -> float | None:
-        """Modelled peak (calibrated bytes, see `calibrate`) of any plan `segments_of`
-        describes; None otherwise."""
-        segs = self.segments_of(plan)
-        return None if segs is None else max([0.0, *self.segment_peaks(segs)])
+        """Modelled peak (calibrated bytes, see `calibrate`) of any plan `segment_costs`
+        prices; None otherwise."""
+        costs = self.segment_costs(plan)
+        if costs is None:
+            return None
+        running, peak = 0.0, 0.0
+        for stored, transient, _ in costs:
+            running += stored
+            peak = max(peak, running + transient)
+        return peak
 
     def cost(self, plan: Plan) -> float | None:
         """Modelled cost of `plan` (`SegmentTable.cost`: recompute FLOPs plus offload
-        transfers as FLOP-equivalents, summed over its segments) for any plan `segments_of`
-        describes; None otherwise."""
-        segs = self.segments_of(plan)
-        t = self.table
-        return None if segs is None else float(sum(t.cost[k, a, b] for a, b, k in segs))
+        transfers as FLOP-equivalents, summed over its segments) for any plan
+        `segment_costs` prices; None otherwise."""
+        costs = self.segment_costs(plan)
+        return None if costs is None else float(sum(c for _, _, c in costs))
 
     def segment_peaks(self, segs: list[tuple[int, int, int]]) -> list[float]:
         """Modelled bytes live during each segment's backward pass (the stores of it and every
