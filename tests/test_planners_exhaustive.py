@@ -50,7 +50,8 @@ from jremat._src.plan.planners.dtr import DTRPlanner
 from jremat._src.plan.planners.greedy import GreedyPlanner
 from jremat._src.plan.planners.milp import MILPPlanner
 from jremat._src.plan.planners.model import GRID
-from jremat._src.plan.planners.segments import saved_set_costs, saved_values
+from jremat._src.plan.planners.save_sets import saved_set_costs
+from jremat._src.plan.planners.segments import saved_values
 from jremat._src.trace.layers import layer_spans
 
 #: Largest number of (path, option assignment) combinations a case may enumerate.

@@ -27,12 +27,12 @@ from numpy.lib.stride_tricks import sliding_window_view
 
 from jremat._src.plan.offload import OffloadCost
 from jremat._src.plan.plan import KEEP, SAVE_NAMES, Plan, Segment
+from jremat._src.plan.planners.save_sets import saved_set_costs
 from jremat._src.plan.planners.segments import (
     KEEP_OPTION,
     OFFLOAD_OPTIONS,
     SAVE_OPTIONS,
     SegmentTable,
-    saved_set_costs,
     saved_values,
     segment_table,
 )

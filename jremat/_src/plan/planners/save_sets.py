@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
-from collections.abc import Iterable, Sequence
+from collections.abc import Collection, Iterable, Sequence
 
 import numpy as np
 
@@ -246,3 +246,40 @@ def option_pieces(graph: Graph, cuts: Sequence[int], segs) -> Pieces:
         saved = None if option == KEEP_OPTION else tuple(saved_values(graph, start, end, option))
         out.append((start, end, saved))
     return out
+
+
+def saved_set_costs(
+    graph: Graph, spans: Sequence[tuple[int, int, Collection[int]]]
+) -> list[tuple[float, float, float]]:
+    """(stored bytes, transient bytes, recompute FLOPs) of checkpointed segments that save any
+    set of values by name, priced as `segment_table` prices a save option's segment.
+
+    `segment_table` prices the save sets its options' predicates select; a planner that
+    chooses values one by one (DTR's evictions, `dtr.py`) needs the same three numbers for a
+    save set no option names. The entries equal the table's wherever the set is an option's
+    (`saved_values`) and the span's ends are cuts (tests/test_planners_exhaustive.py).
+
+    Args:
+      spans: `(start, end, saved value ids)` per segment, node ranges `[start, end)` that do
+        not overlap; ids produced outside their own segment are ignored (a segment's inputs
+        are stored whatever it names).
+
+    Returns:
+      One `(stored, transient, flops)` per span, in order.
+
+    Raises:
+      ValueError: when a span is empty, reversed or out of `[0, num_nodes]`, or spans overlap.
+    """
+    n = graph.num_nodes
+    owner = np.full(n, -1)
+    for i, (start, end, _) in enumerate(spans):
+        if not 0 <= start < end <= n:
+            raise ValueError(f"spans[{i}] = [{start}, {end}) is not a node range of [0, {n}]")
+        if (owner[start:end] >= 0).any():
+            raise ValueError(f"spans[{i}] = [{start}, {end}) overlaps another span")
+        owner[start:end] = i
+    pricer = SaveSetPricer(graph)
+    return [
+        (c.stored, c.transient, c.flops)
+        for c in (pricer.price(start, end, saved) for start, end, saved in spans)
+    ]

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
@@ -348,80 +348,3 @@ def _float_crossing(graph: Graph) -> np.ndarray:
         delta[v.producer + 1] += v.nbytes
         delta[cons[-1] + 1] -= v.nbytes
     return np.cumsum(delta)[: n + 1]
-
-
-def saved_set_costs(
-    graph: Graph, spans: Sequence[tuple[int, int, Collection[int]]]
-) -> list[tuple[float, float, float]]:
-    """(stored bytes, transient bytes, recompute FLOPs) of checkpointed segments that save any
-    set of values by name, priced as `segment_table` prices a save option's segment.
-
-    `segment_table` prices the save sets its options' predicates select; a planner that
-    chooses values one by one (DTR's evictions, `dtr.py`) needs the same three numbers for a
-    save set no option names. The entries equal the table's wherever the set is an option's
-    (`saved_values`) and the span's ends are cuts (tests/test_planners_exhaustive.py).
-
-    Args:
-      spans: `(start, end, saved value ids)` per segment, node ranges `[start, end)` that do
-        not overlap; ids produced outside their own segment are ignored (a segment's inputs
-        are stored whatever it names).
-
-    Returns:
-      One `(stored, transient, flops)` per span, in order.
-
-    Raises:
-      ValueError: when a span is empty, reversed or out of `[0, num_nodes]`, or spans overlap.
-    """
-    n = graph.num_nodes
-    owner = np.full(n, -1)
-    for i, (start, end, _) in enumerate(spans):
-        if not 0 <= start < end <= n:
-            raise ValueError(f"spans[{i}] = [{start}, {end}) is not a node range of [0, {n}]")
-        if (owner[start:end] >= 0).any():
-            raise ValueError(f"spans[{i}] = [{start}, {end}) overlaps another span")
-        owner[start:end] = i
-    # a value counts as saved only in the segment that produces it
-    chosen = {
-        v
-        for i, (_, _, saved) in enumerate(spans)
-        for v in saved
-        if graph.values[v].producer >= 0 and owner[graph.values[v].producer] == i
-    }
-    res_first: dict[int, int] = {}
-    for node in graph.nodes:
-        for v in node.residuals:
-            res_first.setdefault(v, node.index)
-    # one f for every span: f[i] < end depends only on the saved status of values produced in
-    # [i, end) (a consumer at or past the end has f >= its index), so only the span's own set
-    f = _first_needed(graph, chosen.__contains__, res_first)
-    cross, float_cross = crossing_bytes(graph), _float_crossing(graph)
-    live_in, resid, kept = (np.zeros(len(spans)) for _ in range(3))
-    for v in graph.values:
-        p = v.producer
-        if p < 0:
-            continue
-        # live into every span after its producer's that holds one of its consumers
-        into = {int(owner[c]) for c in graph.consumers[v.id]} - {-1, int(owner[p])}
-        for i in into:
-            if spans[i][0] > p:
-                live_in[i] += v.nbytes
-        i = int(owner[p])
-        if i < 0:
-            continue
-        end = spans[i][1]
-        if res_first.get(v.id, n) < end:
-            resid[i] += v.nbytes
-        if v.id in chosen:
-            first = min([res_first.get(v.id, np.inf)] + [f[c] for c in graph.consumers[v.id]])
-            if first < end:
-                kept[i] += v.nbytes
-    out = []
-    for i, (start, end, _) in enumerate(spans):
-        internal = resid[i] + sum(graph.nodes[j].internal_bytes for j in range(start, end))
-        flops = sum(graph.nodes[j].flops for j in range(start, end) if f[j] < end)
-        cot = float_cross[start] + float_cross[end]
-        work = max(cross[start], cross[end])
-        out.append(
-            (float(live_in[i] + kept[i]), float(internal - kept[i] + cot + work), float(flops))
-        )
-    return out
