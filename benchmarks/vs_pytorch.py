@@ -810,19 +810,43 @@ def jremat_side(model: Model, pytorch: list[dict], sink: Callable) -> str:
     base = jremat_baseline(model)
     sink({"side": "jremat_baseline", "model": model.name, **base})
     jrs: dict[int, dict] = {}
-    for p in pts:
-        if p["temp_bytes"] in jrs:  # budgets PyTorch partitions alike: one jremat plan
+    floor: dict[str, Any] | None = None
+    # Lowest target first: an infeasible one states the floor, which holds whatever budget was
+    # asked (jremat states it from budget-independent plans), so the targets below it are
+    # infeasible without planning again.
+    for p in sorted(pts, key=lambda p: p["temp_bytes"]):
+        target = p["temp_bytes"]
+        if target in jrs:  # budgets PyTorch partitions alike: one jremat plan
             continue
         t0 = time.perf_counter()
-        jrs[p["temp_bytes"]] = j = jremat_point(model, p["temp_bytes"], base)
+        if floor is not None and target < floor["floor_temp_bytes"]:
+            j = {
+                "side": "jremat",
+                "model": model.name,
+                "target_temp_bytes": target,
+                "budget": min(target / base["temp_bytes"], 1.0),
+                "infeasible": True,
+                "plan_seconds": 0.0,
+                "smallest_reachable_bytes": floor["floor_temp_bytes"],
+                "note": "below the floor an earlier point stated",
+            }
+        else:
+            j = jremat_point(model, target, base)
+            if j["infeasible"]:
+                floor = {
+                    "floor_temp_bytes": j["smallest_reachable_bytes"],
+                    "floor_seconds": j["plan_seconds"],
+                }
+        jrs[target] = j
         sink(j)
         print(
-            f"   jremat at {_mib(p['temp_bytes'])} MiB: temp {_mib(j.get('temp_bytes'))} "
+            f"   jremat at {_mib(target)} MiB: temp {_mib(j.get('temp_bytes'))} "
             f"MiB, {time.perf_counter() - t0:.0f} s",
             file=sys.stderr,
             flush=True,
         )
-    floor = jremat_floor(model)
+    if floor is None:
+        floor = jremat_floor(model)
     sink({"side": "jremat_floor", "model": model.name, **floor})
     return model_table(model, check, base, pts, jrs, floor)
 
