@@ -55,6 +55,9 @@ TITLES = {
     "plan_cost.md": "Planning cost",
     "figures_only.md": "Figures-only compiles",
     "gpu.md": "Device benchmark",
+    "vs_pytorch.md": "jremat vs PyTorch",
+    "vs_pytorch_per_value.md": "vs PyTorch, per-value save sets",
+    "heldout_values.md": "Per-value MILP reference",
 }
 
 
