@@ -282,15 +282,15 @@ def solve(
         len(cal.anchors),
         time.perf_counter() - t0,
     )
-    found = _choose(prog, planner, cal, target, score, max_rounds, carried, offload)
+    cands = _choose(prog, planner, cal, target, score, max_rounds, carried, offload)
     logger.info(
         "%d rounds compiled, %.1f s since planning began",
-        len(found.stage["rounds"]),
+        len(cands.stage["rounds"]),
         time.perf_counter() - t0,
     )
-    best = found.best
+    best = cands.best
     if best[1] is not None:
-        best = _holds_under_grad(prog, target, best, found.ranked())
+        best = _holds_under_grad(prog, target, best, cands.ranked())
     logger.info(
         "planned in %.1f s, %d programs compiled on this program so far",
         time.perf_counter() - t0,
@@ -300,8 +300,8 @@ def solve(
     if chosen is None:
         # what a new plan() call at the stated budget compiles again (not the target-driven
         # rounds and mixes, which a larger target steers elsewhere)
-        _raise_infeasible(spec, prog, [*cal.anchors, *found.stage["floor"]])
-    return _finish_full(prog, planner, cal, chosen, c, [*cal.log, *found.log], meta, solver)
+        _raise_infeasible(spec, prog, [*cal.anchors, *cands.stage["floor"]])
+    return _finish_full(prog, planner, cal, chosen, c, [*cal.log, *cands.log], meta, solver)
 
 
 def _score(offload: OffloadCost | None, p: Plan, c: Compiled) -> float:
@@ -375,9 +375,9 @@ class Calibration:
 
 
 def _calibrate(prog: Program, planner: Any) -> Calibration:
-    """Stage 4a, calibrate (the full search): compile the reference plans (`Program.anchors`, with the
-    mixes' pure recipes in the same parallel batch; once per program) and fit the planner's
-    cost model to them and the baseline (`SegmentModel.calibrate`): the same programs
+    """Stage 4a, calibrate (the full search): compile the reference plans (`Program.anchors`,
+    with the mixes' pure recipes in the same parallel batch; once per program) and fit the
+    planner's cost model to them and the baseline (`SegmentModel.calibrate`): the same programs
     whatever budget this program was planned for before, so that the plan is a function of
     (program, budget, solver) only. Mutates the planner's model (its table, in compiled
     bytes after the fit)."""
@@ -451,13 +451,13 @@ def _choose(
     carried: list[tuple[Plan, Compiled]],
     offload: OffloadCost | None,
 ) -> Candidates:
-    """Stage 4b, choose (the full search): the candidates compiled against `target` by the calibrated
-    model, and the cheapest that fits (value_and_grad step only; `_holds_under_grad` checks
-    `jit(grad)`): the fitting reference plans; where none fits, floor plans
-    (`_floor_plans`); rounds towards the target (`_rounds`, up to `max_rounds` compiles);
-    mixes of the compiled recipes (`mixing.search`); below every reference and floor plan,
-    refinement (`refine.floor_candidates`). `carried` (the best-first search's compiles) are
-    candidates too."""
+    """Stage 4b, choose (the full search): the candidates compiled against `target` by the
+    calibrated model, and the cheapest that fits (its value_and_grad step only;
+    `_holds_under_grad` checks `jit(grad)`): the fitting reference plans; where none fits,
+    floor plans at fixed model budgets (`_floor_plan`); rounds towards the target (`_rounds`,
+    up to `max_rounds` compiles); mixes of the compiled recipes (`mixing.search`); below
+    every reference and floor plan, refinement (`refine.floor_candidates`). `carried` (the
+    best-first search's compiles) are candidates too."""
     found = Candidates(
         target,
         score,
