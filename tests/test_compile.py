@@ -174,9 +174,10 @@ def test_a_plan_call_compiles_a_fixed_count_whatever_was_planned_before(compiles
 def test_a_decoder_plan_call_compiles_a_fixed_count(compiles, monkeypatch):
     """Regression guard on planning cost on a GPT-2-style decoder (tests/models.py, 4 layers):
     one `solve` at 0.5 compiles 10 programs on jax 0.10, 9 on jax 0.12 (the baseline with the
-    recipe that saves the most, the min-memory plan and 4 reference recipes, then rounds), and
-    the chosen plan's `jit(grad)` step: the full search's cost today (issue 29 asks for 4),
-    so that a change that compiles more, or fewer, is seen and its count written here."""
+    recipe that saves the most, the min-memory plan and 4 reference recipes, then rounds and
+    mixes), and the chosen plan's `jit(grad)` step: the full search's cost today (issue 29
+    asks for 4), so that a change that compiles more, or fewer, is seen and its count
+    written here."""
     import models as M
 
     from jremat._src.base.budget import parse_budget
