@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 import logging
 import math
 import time
@@ -221,26 +222,22 @@ def solve(
     """`plan` on an already traced `Program` (lets callers reuse the baseline compile).
 
     Plans are ranked by compiled FLOPs plus, for those that offload, the transfer time of
-    their predicted offloaded bytes under `offload` as FLOP-equivalents."""
+    their predicted offloaded bytes under `offload` as FLOP-equivalents. The stages, each a
+    function below that says what it compiles (docs/design.md#verification):
 
-    def score(p: Plan, c: Compiled) -> float:
-        if not p.offloaded_bytes:
-            return c.flops
-        return math.inf if offload is None else c.flops + offload.transfer_flops(p.offloaded_bytes)
-
+    1. `_compile_baseline`: the unrematerialized step (the target of a fraction), in one
+       parallel batch with what the next stage needs first;
+    2. `_no_recompute`: the recipe that saves the most, returned where it recomputes nothing;
+    3. `_best_first`: the best-first search (search/predicted.py), where it is on;
+    4. the full search: (a) `_calibrate` (reference plans, the cost model fitted to them),
+       (b) `_choose` (floor plans, rounds, mixes, refinement), (c) verify:
+       `_holds_under_grad` (the chosen plan's `jit(grad)` step), then `_finish_full`.
+    """
     if not prog.graph.num_nodes:  # `lambda x: x`, a jit returning an input: nothing to remat
         if (error := spec.nothing_to_rematerialize("fn traces to no equations")) is not None:
             raise error
-
-    def predicted_score(p: Plan) -> float:
-        """`score` as the cost model predicts it: the baseline's compiled FLOPs plus the
-        plan's modelled recompute (a lower bound in practice: the model counts fewer
-        FLOPs than XLA does for the same recompute)."""
-        extra = 0.0 if offload is None else offload.transfer_flops(p.offloaded_bytes)
-        return base.flops + (p.recompute_flops or 0.0) + extra
-
+    score = functools.partial(_score, offload)
     t0 = time.perf_counter()
-    planner = None
     # best-first first (search/predicted.py; loop settings for scan programs); the full
     # search below where it finds no plan. Straight to the full search: the heuristic
     # planners (greedy, DTR), whose plan at a model budget is not the model's cheapest, which
@@ -250,26 +247,14 @@ def solve(
         and solver in BEST_FIRST_SOLVERS
         and (BEST_FIRST_LOOPS and offload is None if prog.has_scan else BEST_FIRST_UNROLLED)
     )
-    carried: list[tuple[Plan, Compiled]] = []  # what the best-first search compiled
     # the recipe that may need no recompute: tried whenever the target is below the baseline
     # (not only where `_likely_below` guessed so), so that where the search ends does not
     # depend on the guess (byte budgets of sharded programs, a model an earlier search fitted)
     eligible = verify and not best_first and offload is None and solver in BEST_FIRST_SOLVERS
     first = mixing.most_saving_plan(prog) if NO_RECOMPUTE_FIRST and eligible else None
     try:
-        if (
-            verify
-            and not best_first
-            and _likely_below(prog, spec, lambda: prog.planner(solver, max_cuts, offload))
-        ):
-            # the target is below the unrematerialized program: compile it together with the
-            # reference plans (parallel threads), not before them; or first with the recipe
-            # that saves the most, which ends the search where it recomputes nothing
-            if first is not None:
-                prog.compile_many([None, first])
-            else:
-                planner = prog.planner(solver, max_cuts, offload)
-                prog.anchors(planner, also=[None, *mixing.pure_plans(prog)])
+        if verify and not best_first:
+            _compile_baseline(prog, spec, first, lambda: prog.planner(solver, max_cuts, offload))
         base = prog.baseline
     except Exception as e:  # noqa: BLE001 - re-raised unless fn has no reverse derivative
         return _no_reverse_derivative(prog, spec, e)
@@ -281,46 +266,134 @@ def solve(
         return prog.record(p.annotate(prog.graph), base)
     if first is not None and (found := _no_recompute(prog, target, first, meta, solver)):
         return found
+    carried: list[tuple[Plan, Compiled]] = []  # what the best-first search compiled
     if best_first:
         found, carried = _best_first(
             prog, target, meta, score, solver, max_rounds, max_cuts, offload
         )
         if found is not None:
             return found
-    planner = planner or prog.planner(solver, max_cuts, offload)
-    min_plan = planner.min_memory_plan()
-    model_min, model_none = min_plan.predicted_temp_bytes, planner.no_remat_peak()
+    planner = prog.planner(solver, max_cuts, offload)
     if not verify:
-        # the model's bytes scaled so that the unrematerialized program maps onto its compiled
-        # temp bytes (the only compiled figure verify=False has)
-        model_target = target * model_none / max(base.temp_bytes, 1)
-        chosen = planner.plan(model_target) or _raise_model_infeasible(
-            spec, prog, planner, model_none
-        )
-        chosen.notes.append("verify=False: chosen by the cost model, scaled to the baseline")
-        return _finish(chosen, meta, solver, prog.graph)
-    # compiled: DP min-memory plan, per-layer and sqrt(n) remat (and the pure recipes the
-    # mixes interpolate, in the same parallel batch)
-    anchors = prog.anchors(planner, also=mixing.pure_plans(prog))
+        return _model_only(prog, spec, planner, target, meta, solver)
+    cal = _calibrate(prog, planner)
     logger.info(
-        "baseline and %d reference plans compiled in %.1f s", len(anchors), time.perf_counter() - t0
+        "baseline and %d reference plans compiled in %.1f s",
+        len(cal.anchors),
+        time.perf_counter() - t0,
     )
-    fitting = [(score(p, c), p, c) for p, c in anchors if c.temp_bytes <= target]
-    min_c = anchors[0][1]
-    # Fit the cost model's per-option scales to the reference plans: the same programs
-    # whatever budget this program was planned for before, so that the plan is a function of
-    # (program, budget, solver) only.
+    cands = _choose(prog, planner, cal, target, score, max_rounds, carried, offload)
+    logger.info(
+        "%d rounds compiled, %.1f s since planning began",
+        len(cands.stage["rounds"]),
+        time.perf_counter() - t0,
+    )
+    best = cands.best
+    if best[1] is not None:
+        best = _holds_under_grad(prog, target, best, cands.ranked())
+    logger.info(
+        "planned in %.1f s, %d programs compiled on this program so far",
+        time.perf_counter() - t0,
+        prog.compiles,
+    )
+    _, chosen, c = best
+    if chosen is None:
+        # what a new plan() call at the stated budget compiles again (not the target-driven
+        # rounds and mixes, which a larger target steers elsewhere)
+        _raise_infeasible(spec, prog, [*cal.anchors, *cands.stage["floor"]])
+    return _finish_full(prog, planner, cal, chosen, c, [*cal.log, *cands.log], meta, solver)
+
+
+def _score(offload: OffloadCost | None, p: Plan, c: Compiled) -> float:
+    """A compiled plan's score: its compiled FLOPs, plus for one that offloads the transfer
+    time of its predicted offloaded bytes as FLOP-equivalents (inf with no `offload` cost)."""
+    if not p.offloaded_bytes:
+        return c.flops
+    return math.inf if offload is None else c.flops + offload.transfer_flops(p.offloaded_bytes)
+
+
+def _compile_baseline(
+    prog: Program, spec: Budget, first: Plan | None, planner: Callable[[], Any]
+) -> None:
+    """Stage 1, the baseline: where the target is likely below the unrematerialized
+    program (`_likely_below`), compile that program in one parallel batch with `first` (the
+    recipe that saves the most, `_no_recompute`'s) or, with no `first`, with the reference
+    plans and the mixes' pure recipes (`_calibrate`'s). Elsewhere the baseline compiles
+    alone when `prog.baseline` is read."""
+    if not _likely_below(prog, spec, planner):
+        return
+    if first is not None:
+        prog.compile_many([None, first])
+    else:
+        prog.anchors(planner(), also=[None, *mixing.pure_plans(prog)])
+
+
+def _model_only(
+    prog: Program, spec: Budget, planner: Any, target: float, meta: dict, solver: str
+) -> Plan:
+    """`verify=False`: the planner's plan at the target in model bytes, scaled so that the
+    unrematerialized program maps onto its compiled temp bytes (the only compiled figure it
+    has). Raises `InfeasibleBudgetError` where the model reaches no plan."""
+    model_none = planner.no_remat_peak()
+    model_target = target * model_none / max(prog.baseline.temp_bytes, 1)
+    chosen = planner.plan(model_target) or _raise_model_infeasible(spec, prog, planner, model_none)
+    chosen.notes.append("verify=False: chosen by the cost model, scaled to the baseline")
+    return _finish(chosen, meta, solver, prog.graph)
+
+
+@dataclasses.dataclass
+class Calibration:
+    """What `_calibrate` decided: the cost model's map from compiled temp bytes to model bytes.
+
+    Attributes:
+      anchors: the compiled reference plans, (plan, figures), the min-memory plan first.
+      fitted: whether the model was fitted to them (then its bytes are compiled bytes).
+      model_min, model_none: modelled peak (bytes) of the min-memory plan and of the
+        unrematerialized program, after the fit.
+      xs, ys: compiled temp bytes (ascending) and the model bytes of the same plans (made
+        non-decreasing): what is left of the model's error after the fit, interpolated.
+      base_temp: the unrematerialized program's compiled temp bytes.
+      log: a line for the plan's notes.
+    """
+
+    anchors: list[tuple[Plan, Compiled]]
+    fitted: bool
+    model_min: float
+    model_none: float
+    xs: np.ndarray
+    ys: np.ndarray
+    base_temp: float
+    log: list[str]
+
+    def model_budget(self, target: float) -> float:
+        """The model budget expected to compile to `target` temp bytes."""
+        if len(self.xs) > 1:
+            return float(np.interp(target, self.xs, self.ys))
+        min_temp = self.anchors[0][1].temp_bytes
+        slope = (self.model_none - self.model_min) / max(self.base_temp - min_temp, 1)
+        return self.model_min + (target - min_temp) * max(slope, 1e-3)
+
+
+def _calibrate(prog: Program, planner: Any) -> Calibration:
+    """Stage 4a, calibrate (the full search): compile the reference plans (`Program.anchors`,
+    with the mixes' pure recipes in the same parallel batch; once per program) and fit the
+    planner's cost model to them and the baseline (`SegmentModel.calibrate`): the same programs
+    whatever budget this program was planned for before, so that the plan is a function of
+    (program, budget, solver) only. Mutates the planner's model (its table, in compiled
+    bytes after the fit)."""
+    anchors = prog.anchors(planner, also=mixing.pure_plans(prog))
+    base = prog.baseline
     samples = [(p, c.temp_bytes) for p, c in anchors]
     log: list[str] = []
-    calibrated = planner.model.calibrate([*samples, (Plan.identity(prog.graph), base.temp_bytes)])
-    if calibrated:
-        model_none = planner.no_remat_peak()
-        model_min = planner.min_memory_plan().predicted_temp_bytes
+    fitted = planner.model.calibrate([*samples, (Plan.identity(prog.graph), base.temp_bytes)])
+    if fitted:
         scales = ", ".join(
             f"{k} {v:,.0f}" if k.endswith("_bytes") else f"{k} {v:.2f}"
             for k, v in (planner.model.weights or {}).items()
         )
         log.append(f"cost model fitted to {len(samples) + 1} compiled programs: scales {scales}")
+    model_none = planner.no_remat_peak()
+    model_min = planner.min_memory_plan().predicted_temp_bytes
     # then map compiled bytes to model bytes through every compiled anchor (what is left)
     predict = planner.model.predict
     points = sorted(
@@ -329,65 +402,149 @@ def solve(
     )
     xs = np.array([x for x, _ in points], dtype=float)
     ys = np.maximum.accumulate(np.array([y for _, y in points], dtype=float))
-    slope = (model_none - model_min) / max(base.temp_bytes - min_c.temp_bytes, 1)
-    model_budget = (
-        float(np.interp(target, xs, ys))
-        if len(xs) > 1
-        else (model_min + (target - min_c.temp_bytes) * max(slope, 1e-3))
-    )
-    # no reference plan fits: the solver's own plans and mixes may still (a couple of rounds)
-    best: tuple[float, Plan | None, Compiled | None] = (
-        min(fitting, key=lambda t: t[0]) if fitting else (math.inf, None, None)
-    )
-    lo, hi = model_min, math.inf  # model budgets known feasible / infeasible when compiled
-    seen: set[str] = {plan_key(p) for p, _ in anchors}
-    # No reference plan fits: the model's plans just above its minimum, at fixed model
-    # budgets. They do not depend on the target, so the smallest budget an
-    # InfeasibleBudgetError states (anchors and these) is found again when asked for.
-    floor: list[tuple[Plan, Compiled]] = []
-    rounds: list[tuple[Plan, Compiled]] = []
+    return Calibration(anchors, fitted, model_min, model_none, xs, ys, base.temp_bytes, log)
 
-    def add_floor(candidate: Plan | None, label: str) -> None:
-        nonlocal best
-        if candidate is None or plan_key(candidate) in seen:
-            return
-        seen.add(plan_key(candidate))
-        c = prog.compile(candidate)
-        floor.append((candidate, c))
-        log.append(f"{label} -> compiled temp {c.temp_bytes:,}")
-        if c.temp_bytes <= target and score(candidate, c) < best[0]:
-            best = (score(candidate, c), candidate, c)
 
-    for factor in () if fitting else FLOOR_LADDER:
-        # the model's DP: no time limit, so the same plans come back in a new call
-        add_floor(
-            planner.model.cheapest_plan(model_min * factor, planner.name),
-            f"floor: model budget {model_min * factor:,.0f}",
-        )
-    for round_ in range(max_rounds if fitting else min(max_rounds, 2)):
+@dataclasses.dataclass
+class Candidates:
+    """The plans one `solve` call compiled, by stage, and the cheapest that fits the target.
+
+    Attributes:
+      target: the budget in compiled temp bytes.
+      score: a compiled plan's score (`_score`).
+      stage: (plan, figures) compiled by each stage: "anchors" (`_calibrate`'s), "floor"
+        (fixed model budgets and refinement), "rounds", "mixes", "carried" (the best-first
+        search's, handed over).
+      best: (score, plan, figures) of the cheapest fitting plan offered so far, or
+        `(inf, None, None)`.
+      seen: plan keys compiled (or skipped) by this call's floor plans and rounds.
+      log: lines for the plan's notes.
+    """
+
+    target: float
+    score: Callable[[Plan, Compiled], float]
+    stage: dict[str, list[tuple[Plan, Compiled]]]
+    best: tuple[float, Plan | None, Compiled | None] = (math.inf, None, None)
+    seen: set[str] = dataclasses.field(default_factory=set)
+    log: list[str] = dataclasses.field(default_factory=list)
+
+    def offer(self, plan: Plan, c: Compiled, copied: bool = False) -> bool:
+        """Make (plan, c) the best where it fits and scores lower; returns whether it fits."""
+        fits = c.temp_bytes <= self.target
+        if fits and self.score(plan, c) < self.best[0]:
+            self.best = (self.score(plan, c), copy.deepcopy(plan) if copied else plan, c)
+        return fits
+
+    def ranked(self) -> list[tuple[float, Plan, Compiled]]:
+        """Every plan of this call as (score, plan, figures), for `_holds_under_grad`."""
+        order = ("anchors", "rounds", "mixes", "floor", "carried")
+        return [(self.score(p, c), p, c) for k in order for p, c in self.stage[k]]
+
+
+def _choose(
+    prog: Program,
+    planner: Any,
+    cal: Calibration,
+    target: float,
+    score: Callable[[Plan, Compiled], float],
+    max_rounds: int,
+    carried: list[tuple[Plan, Compiled]],
+    offload: OffloadCost | None,
+) -> Candidates:
+    """Stage 4b, choose (the full search): the candidates compiled against `target` by the
+    calibrated model, and the cheapest that fits (its value_and_grad step only;
+    `_holds_under_grad` checks `jit(grad)`): the fitting reference plans; where none fits,
+    floor plans at fixed model budgets (`_floor_plan`); rounds towards the target (`_rounds`,
+    up to `max_rounds` compiles); mixes of the compiled recipes (`mixing.search`); below
+    every reference and floor plan, refinement (`refine.floor_candidates`). `carried` (the
+    best-first search's compiles) are candidates too."""
+    found = Candidates(
+        target,
+        score,
+        stage=dict(anchors=cal.anchors, floor=[], rounds=[], mixes=[], carried=carried),
+        seen={plan_key(p) for p, _ in cal.anchors},
+        log=[],
+    )
+    fitting = [(p, c) for p, c in cal.anchors if c.temp_bytes <= target]
+    for p, c in fitting:
+        found.offer(p, c)
+    if not fitting:
+        # No reference plan fits: the model's plans just above its minimum, at fixed model
+        # budgets. They do not depend on the target, so the smallest budget an
+        # InfeasibleBudgetError states (anchors and these) is found again when asked for.
+        for factor in FLOOR_LADDER:
+            # the model's DP: no time limit, so the same plans come back in a new call
+            _floor_plan(
+                prog,
+                found,
+                planner.model.cheapest_plan(cal.model_min * factor, planner.name),
+                f"floor: model budget {cal.model_min * factor:,.0f}",
+            )
+    _rounds(prog, planner, cal, found, max_rounds if fitting else min(max_rounds, 2), offload)
+    # mixes of the compiled recipes (some layers or scan iterations under each of two)
+    found.stage["mixes"] = mixing.search(prog, target, found.best[0], close_enough=CLOSE_ENOUGH)
+    # only plans of this call count (not those another budget compiled on this program)
+    for k in ("rounds", "mixes", "floor", "carried"):
+        for p, c in found.stage[k]:
+            found.offer(p, c, copied=True)
+    if target < min(c.temp_bytes for _, c in [*cal.anchors, *found.stage["floor"]]):
+        # below every reference and floor plan: the segments at the peaks of the lowest
+        # compiled plans cut finer (search/refine.py); like the floor plans, they do not
+        # depend on the target, so a stated floor is found again at that budget
+        lowest = [*cal.anchors, *found.stage["floor"]]
+        for candidate in refine.floor_candidates(prog.graph, planner, lowest):
+            _floor_plan(prog, found, candidate, "peak segment split")
+    return found
+
+
+def _floor_plan(prog: Program, found: Candidates, candidate: Plan | None, label: str) -> None:
+    """Compile `candidate` (None or one compiled by this call already: nothing) as a floor
+    plan of `found`."""
+    if candidate is None or plan_key(candidate) in found.seen:
+        return
+    found.seen.add(plan_key(candidate))
+    c = prog.compile(candidate)
+    found.stage["floor"].append((candidate, c))
+    found.log.append(f"{label} -> compiled temp {c.temp_bytes:,}")
+    found.offer(candidate, c)
+
+
+def _rounds(
+    prog: Program,
+    planner: Any,
+    cal: Calibration,
+    found: Candidates,
+    max_rounds: int,
+    offload: OffloadCost | None,
+) -> None:
+    """The planner's plans at model budgets moved towards `found.target` by secant and
+    bisection steps on their compiled temp bytes (`max_rounds` at most). They end on a plan
+    that fits within `CLOSE_ENOUGH` of the target, on one the model predicts recomputes no
+    less than the best fitting plan compiled (the model undercounts XLA's recompute,
+    docs/design.md#verification: a closer plan would only recompute more), or when the
+    bracket of model budgets is narrower than 0.5%."""
+    target, base = found.target, prog.baseline
+    model_budget = cal.model_budget(target)
+    lo, hi = cal.model_min, math.inf  # model budgets known feasible / infeasible when compiled
+    for round_ in range(max_rounds):
         candidate = planner.plan(model_budget)
-        if candidate is not None and predicted_score(candidate) >= best[0]:
-            # the model counts this plan's recompute no lower than a fitting plan's compiled
-            # figure (it undercounts XLA's, docs/design.md#verification): a closer plan
-            # would only recompute more
-            log.append(
+        if candidate is not None and _predicted_score(base, candidate, offload) >= found.best[0]:
+            found.log.append(
                 f"round {round_}: the model's plan recomputes {candidate.recompute_flops:,.0f} "
                 "FLOPs, no fewer than the best fitting plan compiled: rounds end"
             )
             break
-        if candidate is not None and plan_key(candidate) not in seen:
-            seen.add(plan_key(candidate))
+        if candidate is not None and plan_key(candidate) not in found.seen:
+            found.seen.add(plan_key(candidate))
             c = prog.compile_with_grad(candidate)  # a round's plan is often the one returned
-            rounds.append((candidate, c))
-            ok = c.temp_bytes <= target
-            log.append(
+            found.stage["rounds"].append((candidate, c))
+            ok = found.offer(candidate, c)
+            found.log.append(
                 f"round {round_}: model budget {model_budget:,.0f} -> compiled temp "
                 f"{c.temp_bytes:,} ({'fits' if ok else 'over'})"
             )
             if ok:
                 lo = max(lo, model_budget)
-                if score(candidate, c) < best[0]:
-                    best = (score(candidate, c), candidate, c)
             else:
                 hi = min(hi, model_budget)
             ratio = target / max(c.temp_bytes, 1)
@@ -404,52 +561,46 @@ def solve(
                 nxt = (lo + hi) / 2
             if (hi - lo) / hi < 0.005:
                 break
-        model_budget = max(nxt, model_min)
-    logger.info(
-        "%d rounds compiled, %.1f s since planning began", len(rounds), time.perf_counter() - t0
-    )
-    # mixes of the compiled recipes (some layers or scan iterations under each of two)
-    mixes = mixing.search(prog, target, best[0], close_enough=CLOSE_ENOUGH)
-    # only plans of this call count (not those another budget compiled on this program)
-    for p, c in [*rounds, *mixes, *floor, *carried]:
-        if c.temp_bytes <= target and score(p, c) < best[0]:
-            best = (score(p, c), copy.deepcopy(p), c)
-    if target < min(c.temp_bytes for _, c in [*anchors, *floor]):
-        # below every reference and floor plan: the segments at the peaks of the lowest
-        # compiled plans cut finer (search/refine.py); like the floor plans, they do not
-        # depend on the target, so a stated floor is found again at that budget
-        for candidate in refine.floor_candidates(prog.graph, planner, [*anchors, *floor]):
-            add_floor(candidate, "peak segment split")
-    if best[1] is not None:
-        pool = [*anchors, *rounds, *mixes, *floor, *carried]
-        best = _holds_under_grad(prog, target, best, [(score(p, c), p, c) for p, c in pool])
-    _, chosen, c = best
-    logger.info(
-        "planned in %.1f s, %d programs compiled on this program so far",
-        time.perf_counter() - t0,
-        prog.compiles,
-    )
-    if chosen is None:
-        # what a new plan() call at the stated budget compiles again (not the target-driven
-        # rounds and mixes, which a larger target steers elsewhere)
-        _raise_infeasible(spec, prog, [*anchors, *floor])
+        model_budget = max(nxt, cal.model_min)
+
+
+def _predicted_score(base: Compiled, p: Plan, offload: OffloadCost | None) -> float:
+    """`_score` as the cost model predicts it: the baseline's compiled FLOPs plus the plan's
+    modelled recompute (a lower bound in practice: the model counts fewer FLOPs than XLA
+    does for the same recompute)."""
+    extra = 0.0 if offload is None else offload.transfer_flops(p.offloaded_bytes)
+    return base.flops + (p.recompute_flops or 0.0) + extra
+
+
+def _finish_full(
+    prog: Program,
+    planner: Any,
+    cal: Calibration,
+    chosen: Plan,
+    c: Compiled,
+    log: list[str],
+    meta: dict,
+    solver: str,
+) -> Plan:
+    """The full search's plan as returned: its compiled figures, notes and the cost model's
+    prediction in compiled bytes (through the fit, or the anchors where there was none)."""
     chosen = prog.record(chosen, c)
     chosen.notes.extend(log)
-    model = predict(chosen)  # None for loop pieces: a mix keeps its interpolation
+    model = planner.model.predict(chosen)  # None for loop pieces: a mix keeps its interpolation
     if model is None and chosen.solver.endswith("+split"):
         chosen.predicted_temp_bytes = 0
         chosen.notes.append(
             "no cost-model prediction: its sub-layer cuts are not the model's cut candidates"
         )
-    if model is not None and calibrated:
+    if model is not None and cal.fitted:
         # the fitted model is in compiled bytes already
         chosen.predicted_temp_bytes = int(model)
         chosen.notes.append(f"cost model fitted to XLA predicts {int(model):,} temp bytes")
     elif model is not None:
         # the cost model's bytes mapped back to compiled bytes through the anchors
-        chosen.predicted_temp_bytes = int(np.interp(model, ys, xs))
+        chosen.predicted_temp_bytes = int(np.interp(model, cal.ys, cal.xs))
         chosen.notes.append(
-            f"calibrated through {len(xs)} compiled anchors: model {model:,.0f} -> "
+            f"calibrated through {len(cal.xs)} compiled anchors: model {model:,.0f} -> "
             f"{chosen.predicted_temp_bytes:,} bytes"
         )
     return _finish(chosen, meta, solver, prog.graph)
