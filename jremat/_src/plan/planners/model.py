@@ -30,6 +30,7 @@ from jremat._src.plan.plan import KEEP, SAVE_NAMES, Plan, Segment
 from jremat._src.plan.planners.save_sets import saved_set_costs
 from jremat._src.plan.planners.segments import (
     KEEP_OPTION,
+    LADDER_OPTIONS,
     OFFLOAD_OPTIONS,
     SAVE_OPTIONS,
     SegmentTable,
@@ -387,7 +388,11 @@ class SegmentModel:
         if free:
             stored_scale, trans_scale, offset = 1.0, 1.0, 0.0
             if self.weights is not None:
-                scales = [self.weights[o] for o in t.options if o in SAVE_OPTIONS]
+                scales = [
+                    self.weights["fpb" if o in LADDER_OPTIONS else o]
+                    for o in t.options
+                    if o in SAVE_OPTIONS
+                ]
                 stored_scale = float(np.mean(scales)) if scales else 1.0
                 trans_scale = self.weights["transient_checkpointed"]
                 offset = self.weights["offset_bytes"]
@@ -436,6 +441,7 @@ class SegmentModel:
 
         The features of a plan are, at its peak segment, the stored bytes of the segments up
         to it by option, that segment's transient bytes (kept or checkpointed) and a constant.
+        The per-value rungs (`LADDER_OPTIONS`) share one store scale, `weights["fpb"]`.
         Compiled temp bytes are fitted as their weighted sum by least squares on relative
         error (scipy `lsq_linear`), with a ridge pulling every scale towards 1 and the offset
         towards 0; scales are kept in [0.1, 10] and the offset in [0, half the samples'
@@ -467,18 +473,25 @@ class SegmentModel:
         if len({tuple(s) for s in plans}) < 3:  # three distinct plans at least
             return False
         unit = float(np.median(ys))  # the offset's feature: bytes of a typical sample
+        # one store scale per option, but one for all the per-value rungs together: they are
+        # one family, and few reference plans take any of them
+        labels = [o for o in t.options if o not in LADDER_OPTIONS]
+        if len(labels) < K:
+            labels.append("fpb")
+        group = np.array([labels.index("fpb" if o in LADDER_OPTIONS else o) for o in t.options])
+        G = len(labels)
 
         def features(segs) -> np.ndarray:
             """One row per segment: stores so far by option, its transient (kept /
             checkpointed), the constant."""
-            stored, rows = np.zeros(K), []
+            stored, rows = np.zeros(G), []
             for a, b, k in segs:
-                stored[k] += t.stored[k, a, b]
+                stored[group[k]] += t.stored[k, a, b]
                 trans = [t.transient[k, a, b], 0.0] if k == keep else [0.0, t.transient[k, a, b]]
                 rows.append(np.concatenate([stored, trans, [unit]]))
             return np.array(rows)
 
-        n = K + 3
+        n = G + 3
         target = np.append(np.ones(n - 1), 0.0)
         # the offset is >= 0: added to every transient entry it shifts every modelled peak
         # alike, and a negative one could turn small transients negative, where the DP and
@@ -495,15 +508,15 @@ class SegmentModel:
             )
             w = fit.x
         offset = float(w[-1] * unit)
-        names = [*t.options, "transient_kept", "transient_checkpointed"]
+        names = [*labels, "transient_kept", "transient_checkpointed"]
         weights = dict(zip(names, map(float, w[:-1]), strict=True))
         weights["offset_bytes"] = offset
         self.weights = weights
-        trans_scale = np.full(K, w[K + 1])
-        trans_scale[keep] = w[K]
+        trans_scale = np.full(K, w[G + 1])
+        trans_scale[keep] = w[G]
         self.table = dataclasses.replace(
             t,
-            stored=t.stored * w[:K, None, None],
+            stored=t.stored * w[group][:, None, None],
             transient=t.transient * trans_scale[:, None, None] + offset,
         )
         self._min, self._min_segs = {}, None
