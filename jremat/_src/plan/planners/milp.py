@@ -7,15 +7,13 @@ heuristics. The program (no big-M) and why HiGHS proves it fast: docs/design.md#
 
 from __future__ import annotations
 
-import contextlib
-import os
-import sys
 from collections.abc import Callable, Sequence
 
 import numpy as np
 
 from jremat._src.plan.offload import OffloadCost
 from jremat._src.plan.plan import Plan
+from jremat._src.plan.planners.highs import quiet_stdout
 from jremat._src.plan.planners.model import OnSegmentModel, SegmentModel, Segments
 from jremat._src.plan.planners.segments import SAVE_OPTIONS
 from jremat._src.trace.graph import Graph
@@ -27,20 +25,6 @@ DEFAULT_MAX_NODES = 500
 
 #: A heuristic the MILP starts from: (model, budget in model bytes) -> segments or None.
 Incumbent = Callable[[SegmentModel, float], Segments | None]
-
-
-@contextlib.contextmanager
-def _quiet_stdout():
-    """Silence file descriptor 1 (C-level prints) for the duration of the block."""
-    sys.stdout.flush()
-    saved = os.dup(1)
-    with open(os.devnull, "w") as devnull:
-        os.dup2(devnull.fileno(), 1)
-        try:
-            yield
-        finally:
-            os.dup2(saved, 1)
-            os.close(saved)
 
 
 class MILPPlanner(OnSegmentModel):
@@ -152,7 +136,7 @@ class MILPPlanner(OnSegmentModel):
         lp.integrality_ = [highspy.HighsVarType.kInteger] * E + [
             highspy.HighsVarType.kContinuous
         ] * m
-        with _quiet_stdout():  # HiGHS prints a banner to fd 1 when constructed
+        with quiet_stdout():  # HiGHS prints a banner to fd 1 when constructed
             h = highspy.Highs()
         h.setOptionValue("output_flag", False)
         h.setOptionValue("threads", 1)

@@ -35,15 +35,13 @@ that of every save set, priced by `SaveSetPricer`.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import os
-import sys
 from collections.abc import Sequence
 
 import numpy as np
 
 from jremat._src.plan.plan import KEEP, SAVE_NAMES, Plan, Segment
+from jremat._src.plan.planners.highs import quiet_stdout
 from jremat._src.plan.planners.model import Segments, within_budget
 from jremat._src.plan.planners.save_sets import Pieces, SaveSetPricer, option_pieces
 from jremat._src.plan.planners.segments import segment_table
@@ -83,20 +81,6 @@ class PerValueSolution:
     def proven(self) -> bool:
         """Whether HiGHS proved `objective` optimal (gap <= `PROVEN_GAP`)."""
         return self.gap <= PROVEN_GAP
-
-
-@contextlib.contextmanager
-def _quiet_stdout():
-    """Silence file descriptor 1 (HiGHS's C-level banner) for the duration of the block."""
-    sys.stdout.flush()
-    saved = os.dup(1)
-    with open(os.devnull, "w") as devnull:
-        os.dup2(devnull.fileno(), 1)
-        try:
-            yield
-        finally:
-            os.dup2(saved, 1)
-            os.close(saved)
 
 
 class PerValueMILP:
@@ -285,7 +269,7 @@ class PerValueMILP:
         kinds = highspy.HighsVarType
         lp.integrality_ = [kinds.kInteger if i else kinds.kContinuous for i in cols_int]
         self.num_binaries = sum(cols_int)
-        with _quiet_stdout():  # HiGHS prints a banner to fd 1 when constructed
+        with quiet_stdout():  # HiGHS prints a banner to fd 1 when constructed
             h = highspy.Highs()
         h.setOptionValue("output_flag", False)
         h.setOptionValue("threads", 1)
