@@ -29,7 +29,7 @@ def main(models: list[str]) -> int:
 
     print(
         f"jax {jax.__version__}, {jax.default_backend()}: "
-        f"{xla.FIGURES_ONLY_OPTIONS.get(jax.default_backend())}"
+        f"{xla.FIGURES_ONLY_OPTIONS.get(jax.default_backend())}\n"  # a table needs a blank line
     )
     print("| model | plan | step | default s | figures-only s | same figures |")
     print("|---|---|---|---|---|---|")

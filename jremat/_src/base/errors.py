@@ -10,7 +10,9 @@ class InfeasibleBudgetError(ValueError):
       budget: the budget the caller asked for, in the caller's unit.
       smallest_reachable: the smallest budget that holds, in the caller's unit (a fraction of the
         unrematerialized temp bytes when the budget was a fraction, else footprint bytes).
-      smallest_reachable_bytes: the compiled temp bytes of the smallest-memory plan.
+      smallest_reachable_bytes: the compiled temp bytes of the smallest-memory plan (not a
+        footprint: pass `smallest_reachable` back as the budget); 0 where nothing can be
+        rematerialized, and the cost model's estimate under `verify=False`.
     """
 
     def __init__(self, message: str, *, budget, smallest_reachable, smallest_reachable_bytes: int):

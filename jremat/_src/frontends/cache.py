@@ -85,7 +85,8 @@ class PlanCache:
       plan_dir: a folder: each plan is saved there as `jremat-<key>.json` (`Plan.save`,
         written atomically) and a later run with the same key loads it instead of solving.
         None (default): `default_plan_dir()` (`$JREMAT_PLAN_CACHE`, else
-        `~/.cache/jremat/plans` under `$XDG_CACHE_HOME`); False: plans kept in memory only.
+        `$XDG_CACHE_HOME/jremat/plans`, else `~/.cache/jremat/plans`); False: plans kept in
+        memory only.
         A saved file that cannot be read, or was made for another program, is ignored with a
         `RuntimeWarning` naming it, and the plan is solved again and saved over it.
       offload: host offload, as `jremat.plan`'s `offload` (None: never offload).
