@@ -72,11 +72,24 @@ def test_a_plan_lists_and_counts_only_the_residuals_jax_keeps(planned, capsys):
     assert "float32[128, 16]" not in "".join(
         line for line in p.summary(graph).splitlines() if "saves:" in line
     )
-    # explain lists float32[128,16] values only where a checkpointed segment starts from them
+    # explain lists float32[128,16] values only where the backward reads them: where a
+    # checkpointed segment starts from them, or as residuals a kept segment produces
     starts = {v for s in p.segments if s.checkpointed for v in segment_io(graph, s)[0]}
-    starts = {v for v in starts if graph.is_temp(v) and graph.values[v].shape == (128, 16)}
+    kept_residuals = {
+        v
+        for s in p.segments
+        if not s.checkpointed
+        for n in graph.nodes[s.start : s.end]
+        for v in n.residuals
+        if s.start <= graph.values[v].producer < s.end
+    }
+    read = {
+        v
+        for v in starts | kept_residuals
+        if graph.is_temp(v) and graph.values[v].shape == (128, 16)
+    }
     listed = [d for r in explain_plan(graph, p) for d in r.saved if d == "float32[128, 16]"]
-    assert len(listed) == len(starts)
+    assert len(listed) == len(read)
 
 
 def test_dropping_the_names_leaves_the_compiled_program_as_verified(planned):
