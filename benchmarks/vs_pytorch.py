@@ -116,6 +116,15 @@ def _normal(rng: np.random.Generator, shape: tuple[int, ...], scale: float) -> n
     return (rng.standard_normal(shape) * scale).astype(np.float32)
 
 
+def _cross_entropy(ops: Any, logits: Any, targets: Any) -> Any:
+    """Mean cross-entropy of `logits` (..., classes) against integer `targets` (...), the
+    log-sum-exp shifted by its stopped maximum, in either framework (`ops`)."""
+    xp = ops.xp
+    m = ops.stop(ops.amax(logits, -1))
+    lse = xp.log(xp.exp(logits - m).sum(-1)) + m[..., 0]
+    return (lse - ops.take(logits, targets)).mean()
+
+
 @functools.cache
 def _ops(framework: str) -> Any:
     """The few operations whose names differ between jax.numpy and torch, one namespace per
@@ -203,9 +212,7 @@ def gpt(layers=4, width=128, heads=4, seq=256, batch=4, vocab=1024, seed=0) -> M
             x = x + ops.gelu(norm(x, g2, b2) @ w1 + c1) @ w2 + c2
         gf, bf, head = next(it), next(it), next(it)
         logits = norm(x, gf, bf) @ head
-        m = ops.stop(ops.amax(logits, -1))
-        lse = xp.log(xp.exp(logits - m).sum(-1)) + m[..., 0]
-        return (lse - ops.take(logits, tgt)).mean()
+        return _cross_entropy(ops, logits, tgt)
 
     desc = (
         f"pre-LN GPT decoder: {layers} layers, width {width}, {heads} heads, batch {batch} x "
@@ -255,7 +262,6 @@ def convnet(channels=(32, 64, 128), batch=16, size=64, classes=10, seed=2) -> Mo
 
     def forward(ops, params, batch_):
         x, y = batch_
-        xp = ops.xp
         it = iter(params)
         for _ in channels:
             for _ in range(2):
@@ -264,9 +270,7 @@ def convnet(channels=(32, 64, 128), batch=16, size=64, classes=10, seed=2) -> Mo
             n, c, h, wd = x.shape
             x = x.reshape(n, c, h // 2, 2, wd // 2, 2).mean((3, 5))
         logits = x.mean((2, 3)) @ next(it) + next(it)
-        m = ops.stop(ops.amax(logits, -1))
-        lse = xp.log(xp.exp(logits - m).sum(-1)) + m[..., 0]
-        return (lse - ops.take(logits, y)).mean()
+        return _cross_entropy(ops, logits, y)
 
     desc = (
         f"conv net: 3 stages of two 3x3 convs ({', '.join(map(str, channels))} channels) + "
