@@ -40,7 +40,7 @@ from jremat._src.base.budget import parse_budget
 from jremat._src.compile.program import Program
 from jremat._src.plan.planners import PLANNERS
 from jremat._src.plan.planners.milp_values import PerValueMILP
-from jremat._src.plan.planners.save_sets import option_pieces
+from jremat._src.plan.planners.segments import option_pieces
 from jremat._src.plan.recipes import ANCHOR_RECIPES, recipe_plan, scan_configs
 from jremat._src.search.solve import solve
 

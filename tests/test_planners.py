@@ -219,7 +219,10 @@ def test_calibration_recovers_a_scaled_and_offset_model(programs):
 
 def test_calibration_predicts_compiled_temp_within_15_percent(programs):
     """Fitted to the compiled plans of a decoder, the model predicts each plan's XLA temp
-    bytes within 15% when that plan is left out of the fit (most plans; all within 30%)."""
+    bytes within 15% when that plan is left out of the fit (most plans; all within 30%). The
+    identity stays in every fit, as `solve._calibrate` always fits the baseline: it is the
+    one plan that pins the kept segments' store scale (left out, the per-value plans, mostly
+    checkpointed, leave that scale to the ridge: 68% off)."""
     import copy
 
     _, prog = programs("decoder")
@@ -228,7 +231,7 @@ def test_calibration_predicts_compiled_temp_within_15_percent(programs):
     samples[0] = (samples[0][0], prog.baseline.temp_bytes)  # identity: the baseline
     model = copy.copy(planner.model)  # calibrated here, not the program's planner
     errs = []
-    for i, (plan, real) in enumerate(samples):
+    for i, (plan, real) in enumerate(samples[1:], start=1):
         assert model.calibrate(samples[:i] + samples[i + 1 :])
         errs.append(abs(model.predict(plan) / real - 1))
     assert np.mean(np.array(errs) <= 0.15) >= 0.75, errs

@@ -1,8 +1,11 @@
-"""The per-value save sets (`segments.FPB_LADDER`): a segment saves the values whose recompute
-costs at least t FLOPs per byte. What they select, which rungs a graph keeps, what the
-rewritten program keeps as residuals, and that the planners' plans with them are exact."""
+"""The per-value save sets: `segments.FPB_LADDER` (a segment saves the values whose recompute
+costs at least t FLOPs per byte) and the marginal ladder (`value_ladder`: what a layer's
+reverse greedy still saves). What they select, which rungs a graph keeps, what the rewritten
+program keeps as residuals, and that the planners' plans with them are exact."""
 
 from __future__ import annotations
+
+import itertools
 
 import jax
 import jax.numpy as jnp
@@ -13,13 +16,17 @@ import jremat
 from jremat._src.base import compat as _compat
 from jremat._src.plan.plan import SAVE_NAMES
 from jremat._src.plan.planners.model import SegmentModel
+from jremat._src.plan.planners.save_sets import SaveSetPricer
 from jremat._src.plan.planners.segments import (
+    FPB_OPTIONS,
     LADDER_OPTIONS,
+    MARGINAL_OPTIONS,
     SAVE_OPTIONS,
     distinct_options,
     flops_per_byte,
     saved_values,
 )
+from jremat._src.plan.planners.value_ladder import _rank_span, ladder_levels
 from jremat._src.plan.rewrite import rematerialize, residual_name
 from tests.models import assert_trees_close, decoder, layer_spans, tile_plan
 
@@ -53,7 +60,7 @@ def test_flops_per_byte_of_a_matmul_is_its_contraction_over_the_itemsize():
 
 def test_each_rung_saves_the_values_at_or_above_its_threshold(graph):
     ratios = {v.id: flops_per_byte(graph, v.id) for v in graph.values if v.producer >= 0}
-    for name in LADDER_OPTIONS:
+    for name in FPB_OPTIONS:
         tau = float(name.split(">=")[1])
         got = set(saved_values(graph, 0, graph.num_nodes, name))
         want = {v for v, r in ratios.items() if r >= tau and graph.values[v].is_float}
@@ -140,3 +147,79 @@ def test_every_planner_chooses_rungs_and_its_plans_fit(graph, solver):
         assert segs is not None
         taken |= {t.options[k] for *_, k in segs}
     assert taken & set(LADDER_OPTIONS), (solver, taken)
+
+
+# ------------------------------------------------------------- the marginal ladder
+
+
+def test_marginal_rungs_are_nested(graph):
+    """Each "ladder<=f" rung saves a subset of the next one's values (the reverse greedy
+    drops values one at a time), and the lowest saves something."""
+    sets = [set(saved_values(graph, 0, graph.num_nodes, o)) for o in MARGINAL_OPTIONS]
+    assert sets[0]
+    for a, b in itertools.pairwise(sets):
+        assert a <= b
+
+
+def test_repeated_layers_are_ranked_as_if_ranked_alone():
+    """The decoder's layers repeat: their levels, copied from the first layer ranked, equal
+    what the greedy gives each layer ranked on its own."""
+    m = decoder(depth=3)
+    with jremat.disabled():
+        g = jremat.trace(m.loss, *m.args)
+    levels = ladder_levels(g)
+    pricer = SaveSetPricer(g)
+    spans = layer_spans(g)
+    assert len(spans) == 3
+    for s, e in spans:
+        alone = _rank_span(pricer, s, e)
+        assert alone
+        assert {v: levels[v] for v in alone} == alone, (s, e)
+
+
+def _projection_chain(x, w1, w2, w3):
+    """`h`, `o` and `p` are matmul results of the same bytes and FLOPs per byte; the backward
+    reads `h` (the square's residual) and `o` (the projection's), but `p = o @ w3` only to
+    recompute `y`, whose square's backward reads `y`."""
+    h = x @ w1
+    o = (h * h) @ w2
+    p = o @ w3
+    y = p + x
+    return jnp.sum(y * y)
+
+
+def test_the_marginal_ladder_saves_only_what_pays_given_the_rest():
+    """The issue's case (`x @ w1` against `o @ wo`): no FLOPs-per-byte threshold separates the
+    projection `p` from `h` and `o`; the marginal ladder does. Saving `p` frees nothing once
+    `y` is saved and spares one matmul once `o` is, so no rung saves it, while every rung
+    that saves anything saves one of `h`, `o`, `y`."""
+    d = 32
+    args = [jnp.ones((16, d))] + [jnp.eye(d) * 0.5 for _ in range(3)]
+    g = jremat.trace(_projection_chain, *args)
+    h, o, p = [n.outputs[0] for n in g.nodes if n.primitive == "dot_general"]
+    y = next(n.outputs[0] for n in g.nodes if n.primitive == "add")
+    assert flops_per_byte(g, h) == flops_per_byte(g, o) == flops_per_byte(g, p)
+    for name in FPB_OPTIONS:
+        got = set(saved_values(g, 0, g.num_nodes, name))
+        assert (h in got) == (o in got) == (p in got), name
+    rungs = [set(saved_values(g, 0, g.num_nodes, name)) for name in MARGINAL_OPTIONS]
+    assert not any(p in r for r in rungs)
+    assert all(r & {h, o, y} for r in rungs if r)
+    assert any(rungs)
+
+
+def test_the_marginal_rungs_lower_the_dps_optimum(graph):
+    """With the marginal rungs the DP's optimum is never above the threshold ladder's alone,
+    and below it at some budget."""
+    base = ("nothing", "dots_no_batch", "expensive", "dots", *FPB_OPTIONS)
+    coarse = SegmentModel(graph, options=base)
+    fine = SegmentModel(graph, options=(*base, *MARGINAL_OPTIONS))
+    lo = coarse.min_memory_plan("chain").predicted_temp_bytes
+    hi = coarse.no_remat_peak()
+    gains = []
+    for f in np.linspace(0.05, 0.95, 7):
+        budget = lo + f * (hi - lo)
+        a, b = coarse.cheapest_segments(budget), fine.cheapest_segments(budget)
+        assert b is not None and b[0] <= a[0] * (1 + 1e-9), (f, a[0], b[0])
+        gains.append(b[0] < a[0] * (1 - 1e-6))
+    assert any(gains)

@@ -32,6 +32,22 @@ def crossing_bytes(graph: Graph) -> np.ndarray:
     return np.cumsum(delta)[: n + 1]
 
 
+def float_crossing_bytes(graph: Graph) -> np.ndarray:
+    """`out[p]`: bytes of the floating values crossing cut position p (their cotangents are
+    live in the backward there), for p in 0..num_nodes."""
+    n = graph.num_nodes
+    delta = np.zeros(n + 2)
+    for v in graph.values:
+        if v.producer < 0 or not v.is_float:
+            continue
+        cons = graph.consumers[v.id]
+        if not cons:
+            continue
+        delta[v.producer + 1] += v.nbytes
+        delta[cons[-1] + 1] -= v.nbytes
+    return np.cumsum(delta)[: n + 1]
+
+
 def layer_keys(graph: Graph) -> list[str | None]:
     """Per node, the layer it belongs to (None: glue between layers).
 

@@ -43,8 +43,8 @@ import numpy as np
 from jremat._src.plan.plan import KEEP, SAVE_NAMES, Plan, Segment
 from jremat._src.plan.planners.highs import quiet_stdout
 from jremat._src.plan.planners.model import Segments, within_budget
-from jremat._src.plan.planners.save_sets import Pieces, SaveSetPricer, option_pieces
-from jremat._src.plan.planners.segments import segment_table
+from jremat._src.plan.planners.save_sets import Pieces, SaveSetPricer
+from jremat._src.plan.planners.segments import option_pieces, segment_table
 from jremat._src.trace.graph import Graph
 from jremat._src.trace.layers import candidate_cuts
 
@@ -100,10 +100,9 @@ class PerValueMILP:
       warm_start: start HiGHS from an option plan on the same cuts (`solve`'s `start`, by
         default the chain DP's), so that the answer is never worse than it; False: HiGHS
         alone.
-      recompute_internal: price as `SaveSetPricer(graph, recompute_internal)`: False
-        (default) is `segment_table`'s accounting; True charges every node with internal
-        residual bytes in a checkpointed segment (what JAX does, and what the options'
-        plans almost always pay anyway).
+      recompute_internal: price as `SaveSetPricer(graph, recompute_internal)`: True
+        (default, `segment_table`'s accounting and what JAX does) charges every node with
+        internal residual bytes in a checkpointed segment; False is the older accounting.
 
     Raises:
       ValueError: `cuts` not ascending from 0 to `num_nodes`, or `max_span` < 1.
@@ -126,7 +125,7 @@ class PerValueMILP:
         max_span: int | None = None,
         max_nodes: int | None = DEFAULT_MAX_NODES,
         warm_start: bool = True,
-        recompute_internal: bool = False,
+        recompute_internal: bool = True,
     ):
         n = graph.num_nodes
         if cuts is None:

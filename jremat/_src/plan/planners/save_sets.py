@@ -30,9 +30,8 @@ from collections.abc import Collection, Iterable, Sequence
 
 import numpy as np
 
-from jremat._src.plan.planners.segments import KEEP_OPTION, _float_crossing, saved_values
 from jremat._src.trace.graph import Graph
-from jremat._src.trace.layers import crossing_bytes
+from jremat._src.trace.layers import crossing_bytes, float_crossing_bytes
 
 #: A priced path: `[(start, end, saved)]` node ranges tiling the program, each kept
 #: (`saved` None) or checkpointed saving the value ids `saved`.
@@ -88,15 +87,16 @@ class SaveSetPricer:
 
     Args:
       graph: a traced program (`jremat.trace`).
-      recompute_internal: False (default): `segment_table`'s accounting, where a node with
-        internal residual bytes (`Node.internal_bytes`: a custom_jvp's or a scan's own
-        residuals) moves them to the transient bytes of a checkpointed segment but costs
-        FLOPs only when one of its outputs is needed. True: such a node is always recomputed
-        in a checkpointed segment (its internal residuals cannot be saved by name, and its
-        own backward needs them), so its FLOPs are charged and its inputs needed.
+      recompute_internal: True (default, what JAX does, and `segment_table`'s accounting):
+        a node with internal residual bytes (`Node.internal_bytes`: a custom_jvp's or a
+        scan's own residuals) is always recomputed in a checkpointed segment (its internal
+        residuals cannot be saved by name, and its own backward needs them), so its FLOPs
+        are charged and its inputs needed. False: the older accounting, where such a node
+        moves them to the transient bytes but costs FLOPs only when one of its outputs is
+        needed (kept to measure what the difference does).
     """
 
-    def __init__(self, graph: Graph, recompute_internal: bool = False):
+    def __init__(self, graph: Graph, recompute_internal: bool = True):
         self.graph = graph
         self.recompute_internal = recompute_internal
         self.res_first: dict[int, int] = {}  # value id -> first node keeping it as residual
@@ -104,7 +104,7 @@ class SaveSetPricer:
             for v in node.residuals:
                 self.res_first.setdefault(v, node.index)
         self._cross = crossing_bytes(graph)
-        self._float_cross = _float_crossing(graph)
+        self._float_cross = float_crossing_bytes(graph)
         internal = [float(nd.internal_bytes) for nd in graph.nodes]
         self._internal_cum = np.concatenate([[0.0], np.cumsum(internal)])
         self._facts: dict[tuple[int, int], SegmentFacts] = {}
@@ -234,18 +234,6 @@ def save_set_cost(graph: Graph, start: int, end: int, saved: Sequence[int]) -> S
     ids `saved`: `SaveSetPricer(graph).price(start, end, saved)` (build the pricer once to
     price many sets of one graph)."""
     return SaveSetPricer(graph).price(start, end, saved)
-
-
-def option_pieces(graph: Graph, cuts: Sequence[int], segs) -> Pieces:
-    """An option planner's choice `[(cut index a, cut index b, option name)]` over `cuts` (node
-    positions) as `Pieces`: kept segments as None, checkpointed ones as the values their plan
-    names (`segments.saved_values`), so `SaveSetPricer.path_cost` prices them value by value."""
-    out: Pieces = []
-    for a, b, option in segs:
-        start, end = cuts[a], cuts[b]
-        saved = None if option == KEEP_OPTION else tuple(saved_values(graph, start, end, option))
-        out.append((start, end, saved))
-    return out
 
 
 def saved_set_costs(

@@ -14,9 +14,10 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from jremat._src.plan.offload import OffloadCost
+from jremat._src.plan.planners.value_ladder import ladder_levels
 from jremat._src.trace.cost_model import FUSIBLE
 from jremat._src.trace.graph import Graph
-from jremat._src.trace.layers import crossing_bytes
+from jremat._src.trace.layers import crossing_bytes, float_crossing_bytes
 
 KEEP_OPTION = "keep"
 
@@ -101,23 +102,39 @@ def _fpb_at_least(tau: float) -> Callable[[Graph, int], bool]:
 #: between them, a factor 4 apart. docs/design.md#per-value-save-sets.
 FPB_LADDER = (0.375, 1.5, 6.0, 24.0, 96.0, 384.0)
 
+#: Rungs of the marginal per-value ladder (`value_ladder.ladder_levels`): a segment under
+#: "ladder<=f" saves the values the reverse greedy of its layer still saves once it has
+#: dropped all but a fraction f of the bytes saving everything keeps, the values whose
+#: recompute costs the most FLOPs per byte given what else is saved.
+#: docs/design.md#per-value-save-sets.
+MARGINAL_LADDER = (0.05, 0.1, 0.2, 0.3, 0.45, 0.6, 0.8)
+
+
+def _level_at_most(f: float) -> Callable[[Graph, int], bool]:
+    return lambda g, v: ladder_levels(g).get(v, 2.0) <= f
+
+
 #: Save sets a checkpointed segment may choose (Rotor/Rockmate-style options per segment):
 #: name -> predicate on a value id. "nothing", "dots" and "dots_no_batch" are JAX's
 #: nothing_saveable, dots_saveable and dots_with_no_batch_dims_saveable restricted to the values
 #: the backward pass needs; "expensive" keeps results costing >= 8 FLOPs per stored byte;
-#: "fpb>=t" the per-value ladder (`FPB_LADDER`; `segment_table` drops a rung that selects
-#: the same values as an option before it on the graph at hand).
+#: "fpb>=t" and "ladder<=f" the per-value ladders (`FPB_LADDER`, `MARGINAL_LADDER`;
+#: `segment_table` drops a rung that selects the same values as an option before it on the
+#: graph at hand).
 SAVE_OPTIONS: dict[str, Callable[[Graph, int], bool]] = {
     "nothing": lambda g, v: False,
     "dots_no_batch": _is_unbatched_dot,
     "expensive": _is_expensive,
     "dots": _is_dot,
     **{f"fpb>={tau:g}": _fpb_at_least(tau) for tau in FPB_LADDER},
+    **{f"ladder<={f:g}": _level_at_most(f) for f in MARGINAL_LADDER},
 }
 
-#: The per-value ladder's option names (`segment_table` may drop them per graph; the others
+#: The per-value ladders' option names (`segment_table` may drop them per graph; the others
 #: always stay: JAX's policies map onto them).
-LADDER_OPTIONS = tuple(f"fpb>={tau:g}" for tau in FPB_LADDER)
+FPB_OPTIONS = tuple(f"fpb>={tau:g}" for tau in FPB_LADDER)
+MARGINAL_OPTIONS = tuple(f"ladder<={f:g}" for f in MARGINAL_LADDER)
+LADDER_OPTIONS = (*FPB_OPTIONS, *MARGINAL_OPTIONS)
 
 
 def distinct_options(graph: Graph, options: Sequence[str]) -> list[str]:
@@ -198,11 +215,17 @@ def _first_needed(graph: Graph, saved: Callable[[int], bool], res_first: dict[in
 
     A segment ending at e recomputes node i iff f[i] < e, whatever its start: node i is needed
     when one of its unsaved outputs is a residual of a node before e, or feeds a node before e
-    that is itself needed (JAX's partial evaluation drops the rest).
+    that is itself needed (JAX's partial evaluation drops the rest). A node with internal
+    residuals (a custom_jvp's, a scan's stacks: `Node.internal_bytes`) is always recomputed in
+    a checkpointed segment, f[i] = i: no name reaches inside it, and its own backward needs
+    them (`SaveSetPricer`'s accounting, the same).
     """
     n = graph.num_nodes
     f = np.full(n, np.inf)
     for i in range(n - 1, -1, -1):
+        if graph.nodes[i].internal_bytes:
+            f[i] = i
+            continue
         best = np.inf
         for o in graph.nodes[i].outputs:
             if saved(o):
@@ -236,7 +259,7 @@ def segment_table(
     m = len(cuts)
     n = graph.num_nodes
     cross = crossing_bytes(graph)
-    float_cross = _float_crossing(graph)
+    float_cross = float_crossing_bytes(graph)
     cut_arr = np.asarray(cuts)
 
     def bin_of(idx):
@@ -335,16 +358,16 @@ def saved_values(graph: Graph, start: int, end: int, option: str) -> list[int]:
     ]
 
 
-def _float_crossing(graph: Graph) -> np.ndarray:
-    """Bytes of floating values crossing each cut: their cotangents are live in the backward."""
-    n = graph.num_nodes
-    delta = np.zeros(n + 2)
-    for v in graph.values:
-        if v.producer < 0 or not v.is_float:
-            continue
-        cons = graph.consumers[v.id]
-        if not cons:
-            continue
-        delta[v.producer + 1] += v.nbytes
-        delta[cons[-1] + 1] -= v.nbytes
-    return np.cumsum(delta)[: n + 1]
+def option_pieces(
+    graph: Graph, cuts: Sequence[int], segs
+) -> list[tuple[int, int, tuple[int, ...] | None]]:
+    """An option planner's choice `[(cut index a, cut index b, option name)]` over `cuts` (node
+    positions) as `save_sets.Pieces`: kept segments as None, checkpointed ones as the values
+    their plan names (`saved_values`), so `SaveSetPricer.path_cost` prices them value by
+    value."""
+    out = []
+    for a, b, option in segs:
+        start, end = cuts[a], cuts[b]
+        saved = None if option == KEEP_OPTION else tuple(saved_values(graph, start, end, option))
+        out.append((start, end, saved))
+    return out
