@@ -314,3 +314,97 @@ def test_loop_mixes_that_all_miss_hand_over_to_the_full_search_where_it_may_pay(
     else:
         assert plan.measured_flops == pure.flops
         assert any("the full search is not run" in n for n in plan.notes)
+
+
+def test_a_model_fitted_to_the_baseline_reads_it_exactly_and_scales_only_kept_stores(decoder):
+    """`SegmentModel.fit_unrematerialized`: the unrematerialized program's modelled peak is
+    its compiled temp bytes; only the bytes kept segments store are scaled, and the planners
+    of the other searches keep their own models."""
+    import chex
+    import numpy as np
+
+    prog = Program(decoder.loss, decoder.args, 0)
+    planner = prog.planner(M.SOLVER, 160, baseline_fit=True)
+    model, base = planner.model, prog.baseline
+    assert planner.no_remat_peak() == pytest.approx(base.temp_bytes, rel=1e-9)
+    raw, keep = model.raw_table, model.raw_table.option_index("keep")
+    others = [k for k in range(len(raw.options)) if k != keep]
+    chex.assert_trees_all_close(model.table.stored[keep], raw.stored[keep] * model.weights["keep"])
+    chex.assert_trees_all_equal(model.table.stored[others], raw.stored[others])
+    chex.assert_trees_all_equal(model.table.transient, raw.transient)
+    assert model.weights["offset_bytes"] == 0.0
+    assert prog.planner(M.SOLVER, 160, uncalibrated=True).model.weights is None
+    assert prog.planner(M.SOLVER, 160).model.weights is None  # the full search's, not fitted yet
+    assert np.isfinite(model.weights["keep"]) and model.weights["keep"] > 0
+
+
+@pytest.fixture
+def aimed(monkeypatch) -> list[predicted.Search]:
+    """The aimed search on (`solve.AIMED_UNROLLED`); every run of it while the test runs."""
+    monkeypatch.setattr(solve_module, "AIMED_UNROLLED", True)
+    runs, real = [], predicted.run_aimed
+
+    def recorded(*args, **kwargs):
+        runs.append(real(*args, **kwargs))
+        return runs[-1]
+
+    monkeypatch.setattr(predicted, "run_aimed", recorded)
+    return runs
+
+
+def test_the_aimed_search_compiles_two_plans_at_most_and_meets_the_budget(decoder, aimed):
+    """`AIMED_UNROLLED`: the planner's plan aimed at the target and one correction, the
+    cheaper fitting one returned; the plan notes say where each was aimed."""
+    prog = Program(decoder.loss, decoder.args, 0)
+    plan = solve(prog, parse_budget(0.5), solver=M.SOLVER)
+    (search,) = aimed
+    assert search.trusted and 1 <= len(search.compiled) <= 2
+    assert prog.compiles == 1 + len(search.compiled)  # the baseline and the aimed plans
+    target = 0.5 * plan.baseline_temp_bytes
+    assert plan.measured_temp_bytes <= target
+    fitting = [c.flops for _, c in search.compiled if c.temp_bytes <= target]
+    assert plan.measured_flops == min(fitting)
+    assert [n.split(":")[0] for n in plan.notes if n.startswith("aim ")] == [
+        f"aim {i + 1}" for i in range(len(search.compiled))
+    ]
+
+
+def test_the_aimed_search_hands_over_where_its_model_misreads_the_program(
+    decoder, aimed, monkeypatch
+):
+    """A compiled plan further than `TRUST` from the model fitted to the baseline ends the
+    aimed search after one compile; a baseline fit outside `FIT_SCALE_LIMIT` ends it before
+    any. The full search then plans, with what was compiled among its candidates."""
+    monkeypatch.setattr(predicted, "TRUST", 0.0)
+    prog = Program(decoder.loss, decoder.args, 0)
+    plan = solve(prog, parse_budget(0.5), solver=M.SOLVER)
+    (search,) = aimed
+    assert not search.trusted and len(search.compiled) == 1 and "off by" in search.log[-1]
+    assert plan.measured_temp_bytes <= 0.5 * plan.baseline_temp_bytes
+    assert any(n.startswith("cost model fitted to") for n in plan.notes)  # the full search's
+
+    monkeypatch.setattr(predicted, "FIT_SCALE_LIMIT", 1.0)
+    prog = Program(decoder.loss, decoder.args, 0)
+    solve(prog, parse_budget(0.5), solver=M.SOLVER)
+    assert not aimed[1].trusted and not aimed[1].compiled
+    assert "the full search follows" in aimed[1].log[-1]
+
+
+def test_a_recipe_that_recomputes_nothing_ends_the_search_after_the_aimed_search_hands_over(
+    decoder, aimed, monkeypatch
+):
+    """With the aimed search on, the recipe that saves the most is compiled only once it
+    hands over (before, it would be one more compile in every call); where it recomputes
+    nothing it is returned then, before the full search compiles anything."""
+    from jremat._src.search import mixing
+
+    monkeypatch.setattr(predicted, "FIT_SCALE_LIMIT", 1.0)  # hand over without compiling
+    prog = Program(decoder.loss, decoder.args, 0)
+    base = prog.baseline
+    recipe = mixing.most_saving_plan(prog)
+    _count_baseline_flops_for(recipe, base.flops, monkeypatch)
+    target = 1.02 * max(prog.compile(recipe).temp_bytes, prog.grad_step_temp(recipe))
+    plan = solve(prog, parse_budget(target / base.temp_bytes), solver=M.SOLVER)
+    assert not aimed[0].trusted
+    assert plan.solver == recipe.solver and prog.compiles == 2
+    assert plan.measured_flops == base.flops

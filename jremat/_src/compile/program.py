@@ -379,22 +379,28 @@ class Program:
         offload: OffloadCost | None = None,
         *,
         uncalibrated: bool = False,
+        baseline_fit: bool = False,
     ):
         """The planner for this graph (built once per solver, cut count and offload cost).
         With `uncalibrated`, a planner of its own that the full search never calibrates (its
         model stays in model bytes), so that the best-first search plans the same whatever
-        was planned on this program before."""
+        was planned on this program before. With `baseline_fit`, another one of its own whose
+        model is fitted to the compiled baseline alone (`SegmentModel.fit_unrematerialized`,
+        compiling the baseline if it is not yet), the aimed search's."""
         kw: dict[str, Any] = {}
         if solver == "auto":
             solver = "milp" if self.graph.num_nodes <= AUTO_MILP_MAX_NODES else "chain"
             kw = {"max_nodes": AUTO_MILP_NODES} if solver == "milp" else {}
         if solver == "milp":
             max_cuts = min(max_cuts, 32)  # the MILP has O(max_cuts x span x options) binaries
-        key = (solver, max_cuts, offload, uncalibrated)
+        key = (solver, max_cuts, offload, uncalibrated, baseline_fit)
         if offload is not None:
             kw["offload"] = offload
         if key not in self._planners:
-            self._planners[key] = PLANNERS[solver](self.graph, max_cuts=max_cuts, **kw)
+            planner = PLANNERS[solver](self.graph, max_cuts=max_cuts, **kw)
+            if baseline_fit:
+                planner.model.fit_unrematerialized(self.baseline.temp_bytes)
+            self._planners[key] = planner
         return self._planners[key]
 
     def anchors(self, planner, also: Sequence[Plan | None] = ()) -> list[tuple[Plan, Compiled]]:

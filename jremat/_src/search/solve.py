@@ -45,6 +45,12 @@ SOLVERS = ("auto", "chain", "greedy", "dtr", "milp")
 BEST_FIRST_LOOPS = True
 BEST_FIRST_UNROLLED = False
 
+#: Whether `solve` plans unrolled programs by the aimed search first (`predicted.run_aimed`:
+#: the planner's plan at the target on a model fitted to the baseline, one correction; the
+#: full search where it finds no plan or the model misreads the program), in place of
+#: `BEST_FIRST_UNROLLED`'s search (docs/design.md#best-first-search).
+AIMED_UNROLLED = False
+
 #: Whether `solve` compiles the recipe that saves the most (`mixing.most_saving_plan`) with
 #: the baseline before the reference plans, and returns it where it fits and XLA counts no
 #: more FLOPs for it than for the unrematerialized program: no plan recomputes less, so the
@@ -227,7 +233,8 @@ def solve(
 
     1. `_compile_baseline`: the unrematerialized step (the target of a fraction), in one
        parallel batch with what the next stage needs first;
-    2. `_no_recompute`: the recipe that saves the most, returned where it recomputes nothing;
+    2. `_no_recompute`: the recipe that saves the most, returned where it recomputes nothing
+       (after stage 3 where that is the aimed search, `AIMED_UNROLLED`);
     3. `_best_first`: the best-first search (search/predicted.py), where it is on;
     4. the full search: (a) `_calibrate` (reference plans, the cost model fitted to them),
        (b) `_choose` (floor plans, rounds, mixes, refinement), (c) verify:
@@ -245,12 +252,21 @@ def solve(
     best_first = (
         verify
         and solver in BEST_FIRST_SOLVERS
-        and (BEST_FIRST_LOOPS and offload is None if prog.has_scan else BEST_FIRST_UNROLLED)
+        and (
+            BEST_FIRST_LOOPS and offload is None
+            if prog.has_scan
+            else BEST_FIRST_UNROLLED or (AIMED_UNROLLED and offload is None)
+        )
     )
     # the recipe that may need no recompute: tried whenever the target is below the baseline
     # (not only where `_likely_below` guessed so), so that where the search ends does not
     # depend on the guess (byte budgets of sharded programs, a model an earlier search fitted)
-    eligible = verify and not best_first and offload is None and solver in BEST_FIRST_SOLVERS
+    # (after the aimed search where it hands over: compiled up front, it would be one more
+    # compile in every call where it does not end the search)
+    aimed = best_first and not prog.has_scan and AIMED_UNROLLED and offload is None
+    eligible = (
+        verify and (aimed or not best_first) and offload is None and solver in BEST_FIRST_SOLVERS
+    )
     first = mixing.most_saving_plan(prog) if NO_RECOMPUTE_FIRST and eligible else None
     try:
         if verify and not best_first:
@@ -264,7 +280,11 @@ def solve(
         p = Plan.identity(prog.graph, **meta)
         p.predicted_temp_bytes = base.temp_bytes
         return prog.record(p.annotate(prog.graph), base)
-    if first is not None and (found := _no_recompute(prog, target, first, meta, solver)):
+    if (
+        first is not None
+        and not aimed
+        and (found := _no_recompute(prog, target, first, meta, solver))
+    ):
         return found
     carried: list[tuple[Plan, Compiled]] = []  # what the best-first search compiled
     if best_first:
@@ -273,6 +293,8 @@ def solve(
         )
         if found is not None:
             return found
+    if first is not None and aimed and (found := _no_recompute(prog, target, first, meta, solver)):
+        return found
     planner = prog.planner(solver, max_cuts, offload)
     if not verify:
         return _model_only(prog, spec, planner, target, meta, solver)
@@ -616,14 +638,20 @@ def _best_first(
     max_cuts: int,
     offload: OffloadCost | None,
 ) -> tuple[Plan | None, list[tuple[Plan, Compiled]]]:
-    """The plan of the best-first search (`predicted.run_loops` for scan programs, else
-    `predicted.run`, then mixes of the compiled recipes where a recipe won with room left
-    under the target) whose `jit(grad)` step fits too, or None where none fits or the model
-    misreads the program; and every plan it compiled (candidates of the full search then)."""
+    """The plan of the best-first search (`predicted.run_loops` for scan programs; else
+    `predicted.run_aimed` with `AIMED_UNROLLED` and no offload, or `predicted.run`, then
+    mixes of the compiled recipes where a recipe won with room left under the target) whose
+    `jit(grad)` step fits too, or None where none fits or the model misreads the program; and
+    every plan it compiled (candidates of the full search then)."""
     t0 = time.perf_counter()
     if prog.has_scan:  # layers inside loops: their loop settings (search/predicted.py)
         planner = None
         found = predicted.run_loops(prog, target, score, close_enough=CLOSE_ENOUGH)
+    elif AIMED_UNROLLED and offload is None:  # one plan at the target and one correction
+        planner = prog.planner(solver, max_cuts, baseline_fit=True)
+        found = predicted.run_aimed(
+            prog, planner, target, score, max_rounds=max_rounds, close_enough=CLOSE_ENOUGH
+        )
     else:
         planner = prog.planner(solver, max_cuts, offload, uncalibrated=True)
         found = predicted.run(

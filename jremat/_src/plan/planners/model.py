@@ -432,6 +432,44 @@ class SegmentModel:
             out.append(running + t.transient[k, a, b])
         return out
 
+    def fit_unrematerialized(self, temp: float) -> float:
+        """Fit the model to one compiled program, the unrematerialized one: the bytes kept
+        segments store are scaled so that one kept segment (the program unchanged) has `temp`
+        as its modelled peak; every other option's stores and every transient stay as
+        modelled. Where XLA holds more than the model for the unrematerialized program, it
+        is what kept segments store that it holds more of (on GPT-2 the full fit, `calibrate`,
+        scales `keep` by 1.16 and the save options by 0.82-1.01), so the DP then weighs
+        keeping a segment against checkpointing it in nearly compiled bytes, for the one
+        compile the search makes anyway (docs/design.md#best-first-search).
+
+        Args:
+          temp: the unrematerialized program's compiled temp bytes (> 0).
+
+        Returns:
+          The scale of kept segments' stores, kept in [0.1, 10] like `calibrate`'s; the
+          table is then the raw table so scaled (`weights` say so: the other scales 1, the
+          offset 0).
+        """
+        t = self.raw_table
+        keep, m = t.option_index(KEEP_OPTION), len(t.cuts)
+        stored, transient = t.stored[keep, 0, m - 1], t.transient[keep, 0, m - 1]
+        scale = float(np.clip((temp - transient) / max(stored, 1.0), 0.1, 10.0))
+        scales = np.ones(len(t.options))
+        scales[keep] = scale
+        labels = [o for o in t.options if o not in LADDER_OPTIONS]
+        if len(labels) < len(t.options):
+            labels.append("fpb")
+        self.weights = {
+            **{o: 1.0 for o in labels},
+            KEEP_OPTION: scale,
+            "transient_kept": 1.0,
+            "transient_checkpointed": 1.0,
+            "offset_bytes": 0.0,
+        }
+        self.table = dataclasses.replace(t, stored=t.stored * scales[:, None, None])
+        self._min, self._min_segs = {}, None
+        return scale
+
     def calibrate(self, samples: list[tuple[Plan, float]], ridge: float = 0.3) -> bool:
         """Fit the cost model to compiled programs: one scale per save option on the bytes
         segments store, one on the transient bytes of a kept segment's backward, one on those
