@@ -18,6 +18,7 @@ from jremat._src.plan.plan import SAVE_NAMES
 from jremat._src.plan.planners.model import SegmentModel
 from jremat._src.plan.planners.save_sets import SaveSetPricer
 from jremat._src.plan.planners.segments import (
+    DEFAULT_OPTIONS,
     FPB_OPTIONS,
     LADDER_OPTIONS,
     MARGINAL_OPTIONS,
@@ -75,8 +76,9 @@ def test_rungs_selecting_what_an_earlier_option_selects_are_dropped(graph):
     # the decoder's attention scores (head_dim 4: 2 FLOPs per byte) split the ladder from
     # `dots`: some rung survives
     assert any(o in LADDER_OPTIONS for o in kept)
+    # the planners' default table: the same pruning over `DEFAULT_OPTIONS`
     table = SegmentModel(graph).table
-    assert table.options == ["keep", *kept]
+    assert table.options == ["keep", *distinct_options(graph, DEFAULT_OPTIONS)]
 
 
 def test_a_rung_keeps_only_its_values_as_residuals_and_the_gradient_is_exact(model, graph):

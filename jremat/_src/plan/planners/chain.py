@@ -21,7 +21,8 @@ class ChainPlanner(OnSegmentModel):
     Args:
       graph: a traced program (`jremat.trace`).
       max_cuts: how many cut candidates the DP considers (O(max_cuts^2 x GRID) work).
-      options: the save options (`SAVE_OPTIONS` names) a checkpointed segment may take.
+      options: the save options (`SAVE_OPTIONS` names) a checkpointed segment may take
+        (default `segments.DEFAULT_OPTIONS`).
       offload: an `OffloadCost` adds the offload options, charged their transfer time; None
         (default): no offload.
     """

@@ -12,7 +12,7 @@ from __future__ import annotations
 from jremat._src.plan.offload import OffloadCost
 from jremat._src.plan.plan import KEEP, SAVE_NAMES, Plan
 from jremat._src.plan.planners.model import OnSegmentModel, SegmentModel
-from jremat._src.plan.planners.segments import SAVE_OPTIONS
+from jremat._src.plan.planners.segments import DEFAULT_OPTIONS
 from jremat._src.trace.graph import Graph
 from jremat._src.trace.layers import layer_segments
 
@@ -42,7 +42,7 @@ class DTRPlanner(OnSegmentModel):
         self,
         graph: Graph,
         max_cuts: int = 160,
-        options=tuple(SAVE_OPTIONS),
+        options=DEFAULT_OPTIONS,
         offload: OffloadCost | None = None,
     ):
         del offload  # DTR's decisions are evict/keep; its reference plans offload nothing too

@@ -105,7 +105,8 @@ class GreedyPlanner(OnSegmentModel):
     Args:
       graph: a traced program (`jremat.trace`).
       max_cuts: how many cut candidates the segment model considers.
-      options: the save options (`SAVE_OPTIONS` names) a checkpointed segment may take.
+      options: the save options (`SAVE_OPTIONS` names) a checkpointed segment may take
+        (default `segments.DEFAULT_OPTIONS`).
       offload: an `OffloadCost` adds `offload_dots` to the ladder; None (default): no offload.
     """
 

@@ -15,7 +15,7 @@ from jremat._src.plan.offload import OffloadCost
 from jremat._src.plan.plan import Plan
 from jremat._src.plan.planners.highs import quiet_stdout
 from jremat._src.plan.planners.model import OnSegmentModel, SegmentModel, Segments
-from jremat._src.plan.planners.segments import SAVE_OPTIONS
+from jremat._src.plan.planners.segments import DEFAULT_OPTIONS
 from jremat._src.trace.graph import Graph
 
 #: Branch-and-bound nodes per solve by default: HiGHS proves the segment programs of
@@ -43,7 +43,8 @@ class MILPPlanner(OnSegmentModel):
       max_span: how many cut intervals one segment may cover (fewer variables).
       incumbents: heuristics tried after the model's DP; the cheapest of their plans (the
         DP's on ties) starts the solve, so the MILP's answer is never worse than theirs.
-      options: the save options (`SAVE_OPTIONS` names) a checkpointed segment may take.
+      options: the save options (`SAVE_OPTIONS` names) a checkpointed segment may take
+        (default `segments.DEFAULT_OPTIONS`).
       offload: an `OffloadCost` adds the offload options; None (default): no offload.
 
     Attributes:
@@ -61,7 +62,7 @@ class MILPPlanner(OnSegmentModel):
         time_limit: float | None = None,
         max_span: int = 24,
         incumbents: Sequence[Incumbent] = (),
-        options=tuple(SAVE_OPTIONS),
+        options=DEFAULT_OPTIONS,
         offload: OffloadCost | None = None,
     ):
         self.model = SegmentModel(graph, max_cuts, options, offload)

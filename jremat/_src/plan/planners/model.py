@@ -29,6 +29,7 @@ from jremat._src.plan.offload import OffloadCost
 from jremat._src.plan.plan import KEEP, SAVE_NAMES, Plan, Segment
 from jremat._src.plan.planners.save_sets import saved_set_costs
 from jremat._src.plan.planners.segments import (
+    DEFAULT_OPTIONS,
     KEEP_OPTION,
     LADDER_OPTIONS,
     OFFLOAD_OPTIONS,
@@ -172,7 +173,8 @@ class SegmentModel:
     Args:
       graph: a traced program (`jremat.trace`).
       max_cuts: how many cut candidates the DPs consider (O(max_cuts^2 x GRID) work).
-      options: the save options (`SAVE_OPTIONS` names) a checkpointed segment may take.
+      options: the save options (`SAVE_OPTIONS` names) a checkpointed segment may take
+        (default `segments.DEFAULT_OPTIONS`).
       offload: an `OffloadCost` adds the `OFFLOAD_OPTIONS` (values offloaded to pinned host
         memory, charged their transfer time); None (default): no offload.
 
@@ -191,7 +193,7 @@ class SegmentModel:
         self,
         graph: Graph,
         max_cuts: int = 160,
-        options=tuple(SAVE_OPTIONS),
+        options=DEFAULT_OPTIONS,
         offload: OffloadCost | None = None,
     ):
         self.graph = graph
@@ -573,7 +575,7 @@ class OnSegmentModel:
         self,
         graph: Graph,
         max_cuts: int = 160,
-        options=tuple(SAVE_OPTIONS),
+        options=DEFAULT_OPTIONS,
         offload: OffloadCost | None = None,
     ):
         self.model = SegmentModel(graph, max_cuts, options, offload)

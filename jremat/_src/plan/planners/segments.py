@@ -136,6 +136,12 @@ FPB_OPTIONS = tuple(f"fpb>={tau:g}" for tau in FPB_LADDER)
 MARGINAL_OPTIONS = tuple(f"ladder<={f:g}" for f in MARGINAL_LADDER)
 LADDER_OPTIONS = (*FPB_OPTIONS, *MARGINAL_OPTIONS)
 
+#: The options the planners take unless given others: every `SAVE_OPTIONS` entry but the
+#: marginal ladder, which lowers the model's optimum (GPT-2 at 0.7: 18.9 -> 10.3 MFLOPs) but
+#: whose plans compile to more FLOPs than modelled, so `jremat.plan` returned worse plans
+#: with it (docs/design.md#per-value-save-sets); pass `options=` to use it.
+DEFAULT_OPTIONS = tuple(o for o in SAVE_OPTIONS if o not in MARGINAL_OPTIONS)
+
 
 def distinct_options(graph: Graph, options: Sequence[str]) -> list[str]:
     """`options` without the `LADDER_OPTIONS` rungs that select, on `graph`, the same
@@ -241,7 +247,7 @@ def _first_needed(graph: Graph, saved: Callable[[int], bool], res_first: dict[in
 def segment_table(
     graph: Graph,
     cuts: list[int],
-    options: Sequence[str] = tuple(SAVE_OPTIONS),
+    options: Sequence[str] = DEFAULT_OPTIONS,
     offload: OffloadCost | None = None,
 ) -> SegmentTable:
     """Build the `SegmentTable` of `graph` over `cuts` for the given save options.
