@@ -98,6 +98,38 @@ def within_budget(
     so a plan it returns is within budget in the model). With `round_up=False` stores are
     rounded down instead: the DP is then optimistic and its plan must be checked exactly.
     """
+    frontier = _bucket_dp(t, budget, round_up)
+    return None if frontier is None else frontier.plan_at(GRID)
+
+
+class _Frontier:
+    """The suffix DP's tables over the memory levels of one budget: `cost[L]`, the cheapest
+    plan from the first cut with L buckets (of `q` bytes) left, non-increasing in L, and the
+    choices to walk it (`plan_at`)."""
+
+    def __init__(self, t, q, cost, arg_b, arg_mode, round_up):
+        self.t, self.q, self.cost = t, q, cost
+        self.arg_b, self.arg_mode, self.round_up = arg_b, arg_mode, round_up
+
+    def plan_at(self, level: int) -> tuple[float, Segments] | None:
+        total = self.cost[level]
+        if not np.isfinite(total):
+            return None
+        t, q, m = self.t, self.q, len(self.t.cuts)
+        segs, a = [], 0
+        while a < m - 1:
+            b, k = int(self.arg_b[a, level]), int(self.arg_mode[a, level])
+            stored = t.stored[k, a, b]
+            segs.append((a, b, t.options[k]))
+            level -= int(
+                math.ceil(stored / q - 1e-9) if self.round_up else math.floor(stored / q + 1e-9)
+            )
+            a = b
+        return float(total), segs
+
+
+def _bucket_dp(t: SegmentTable, budget: float, round_up: bool) -> _Frontier | None:
+    """`within_budget`'s DP, every memory level kept; None when the budget is not positive."""
     m = len(t.cuts)
     if budget <= 0:
         return None
@@ -135,17 +167,7 @@ def within_budget(
         padded[a, width:] = best
         arg_b[a] = np.where(np.isfinite(best), bs[rows_b[first]], -1)
         arg_mode[a] = rows_k[first]
-    total = padded[0, width + GRID]
-    if not np.isfinite(total):
-        return None
-    segs, a, level = [], 0, GRID
-    while a < m - 1:
-        b, k = int(arg_b[a, level]), int(arg_mode[a, level])
-        stored = t.stored[k, a, b]
-        segs.append((a, b, t.options[k]))
-        level -= int(math.ceil(stored / q - 1e-9) if round_up else math.floor(stored / q + 1e-9))
-        a = b
-    return float(total), segs
+    return _Frontier(t, q, padded[0, width:].copy(), arg_b, arg_mode, round_up)
 
 
 def _exact_peak(t: SegmentTable, segs: Segments) -> float:
@@ -238,14 +260,23 @@ class SegmentModel:
         if found is None:
             return None
         best_cost, best_segs = found
-        # Stores rounded down make the DP optimistic: when its plan fits exactly it is at
-        # least as good as the safe one, and it reaches plans right at the budget.
+        # Stores rounded down make the DP optimistic: a plan of it that fits exactly is at
+        # least as good as the safe one, and reaches plans right at the budget. Its plans at
+        # every memory level are candidates, cheapest first (a level of equal cost may hold
+        # another plan, of less memory); and at a budget 1% lower, whose buckets fall
+        # elsewhere. The cheapest that fits exactly wins.
+        fitting = []
         for deflate in (0.0, 0.01):
-            again = within_budget(t, model_budget * (1 - deflate), round_up=False)
-            if again is None or again[0] >= best_cost:
-                break
-            if _exact_peak(t, again[1]) <= model_budget:
-                return again
+            optimistic = _bucket_dp(t, model_budget * (1 - deflate), round_up=False)
+            for level in range(GRID, -1, -1) if optimistic is not None else ():
+                if not optimistic.cost[level] < best_cost:
+                    break
+                again = optimistic.plan_at(level)
+                if _exact_peak(t, again[1]) <= model_budget:
+                    fitting.append(again)
+                    break
+        if fitting:
+            return min(fitting, key=lambda found: found[0])
         # Otherwise: the safe DP loses up to one bucket per segment; solving at slightly
         # inflated budgets and keeping the cheapest result that still fits recovers most of it.
         for inflate in INFLATIONS:
