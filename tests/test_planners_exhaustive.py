@@ -416,7 +416,8 @@ def test_dtr_plans_fit_the_budget(ref):
 
 
 def every_residual(graph) -> set[int]:
-    return {v for node in graph.nodes for v in node.residuals}
+    """Every value a VJP rule reads (JAX's residuals, `Node.vjp_residuals`)."""
+    return {v for node in graph.nodes for v in node.vjp_residuals}
 
 
 def test_saved_set_costs_equal_the_table_on_every_option(ref):

@@ -14,6 +14,7 @@ import pytest
 
 import jremat
 from jremat._src.base import compat as _compat
+from jremat._src.compile.xla import xla_flops
 from jremat._src.plan.plan import SAVE_NAMES
 from jremat._src.plan.planners.model import SegmentModel
 from jremat._src.plan.planners.save_sets import SaveSetPricer
@@ -225,3 +226,33 @@ def test_the_marginal_rungs_lower_the_dps_optimum(graph):
         assert b is not None and b[0] <= a[0] * (1 + 1e-9), (f, a[0], b[0])
         gains.append(b[0] < a[0] * (1 - 1e-6))
     assert any(gains)
+
+
+def _anchored_chain(w, x):
+    return jnp.sum(jnp.sin(jnp.tanh(x @ w)))
+
+
+def test_saving_an_anchor_still_recomputes_what_the_vjp_rules_read():
+    """h = x @ w saved by name, tanh(h) not: XLA's residual is anchored on h (the fused chain
+    is recomputed from it), but tanh's and sin's VJP rules read tanh's output, so the
+    checkpointed segment recomputes tanh in the backward pass. The pricer charges it (the
+    anchored accounting charged 0 and the marginal rungs bought such sets as free), the
+    compiled step does at least that much extra work, and the gradient is exact."""
+    w = jax.random.normal(jax.random.key(0), (64, 256)) / 8
+    x = jax.random.normal(jax.random.key(1), (512, 64))
+    g = jremat.trace(_anchored_chain, w, x)
+    dot, tanh, sin, _ = g.nodes
+    (h,), (t,) = dot.outputs, tanh.outputs
+    assert tanh.residuals == sin.residuals == (h,)  # XLA's storage: anchored
+    assert tanh.vjp_residuals == sin.vjp_residuals == (t,)  # what the rules read
+    cost = SaveSetPricer(g).price(0, g.num_nodes, {h})
+    assert cost.recomputed == (tanh.index,) and cost.flops == tanh.flops > 0
+    assert cost.kept == (h,)
+
+    fn = rematerialize(_anchored_chain, tile_plan(g, [(0, g.num_nodes, SAVE_NAMES, [h])]))
+
+    def flops(f):
+        return xla_flops(jax.jit(jax.grad(f)).lower(w, x).compile())
+
+    assert flops(fn) - flops(_anchored_chain) >= cost.flops
+    assert_trees_close(jax.grad(fn)(w, x), jax.grad(_anchored_chain)(w, x), rtol=1e-5)

@@ -113,6 +113,10 @@ def test_residuals_of_a_small_function():
     assert t not in {r for n in g.nodes for r in n.residuals}
     assert dot2.residuals == (s, cid)  # s feeds a matmul: it is materialized, kept as such
     assert total.residuals == ()  # a sum is linear
+    # what the VJP rules themselves read (what a checkpointed segment recomputes from h):
+    # tanh its output, sin its input
+    assert (tanh.vjp_residuals, sin.vjp_residuals) == ((t,), (t,))
+    assert dot1.vjp_residuals == (x, w) and total.vjp_residuals == ()
 
     # when tanh's output is materialized (two users), the output itself is the residual
     def two_users(w, x):

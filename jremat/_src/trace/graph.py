@@ -68,7 +68,9 @@ class Node:
     inputs: tuple[Any, ...]
     outputs: tuple[int, ...]
     flops: float
-    residuals: tuple[int, ...]  # value ids whose primal this node's VJP keeps
+    #: value ids whose primal XLA keeps for this node's VJP: `vjp_residuals` moved off
+    #: fused elementwise intermediates onto the values they are fused from (`_anchor_residuals`)
+    residuals: tuple[int, ...]
     internal_bytes: int  # residual bytes kept inside a control-flow node (scan stacks ...)
     source: str
     name_stack: str
@@ -76,6 +78,9 @@ class Node:
     #: each as `<callee name>@<equation index in the caller>`: the user's own functions, found
     #: without names (trace/layers.py `call_keys`)
     calls: tuple[str, ...] = ()
+    #: value ids whose primal the node's VJP rule reads (JAX's residuals, before anchoring):
+    #: what a checkpointed segment must recompute when they are not saved
+    vjp_residuals: tuple[int, ...] = ()
 
 
 @dataclasses.dataclass
@@ -226,6 +231,7 @@ class _Builder:
                     outputs=out_ids,
                     flops=cost_model.eqn_flops(eqn),
                     residuals=tuple(dict.fromkeys(res)),
+                    vjp_residuals=tuple(dict.fromkeys(res)),
                     internal_bytes=self.local_internal_bytes(eqn, out_ids),
                     source=_compat.source_summary(eqn),
                     name_stack=inner_stack,

@@ -231,7 +231,7 @@ class PerValueMILP:
                 for o in g.nodes[i].outputs:
                     so = s.get(o)
                     base = [(ri, 1.0)] + ([(so, 1.0)] if so is not None else [])
-                    if self.pricer.res_first.get(o, P[b]) < P[b]:
+                    if self.pricer.vjp_first.get(o, P[b]) < P[b]:
                         row([*base, (y, -1.0)], 0.0, inf)
                     for c in g.consumers[o]:
                         if c in r:

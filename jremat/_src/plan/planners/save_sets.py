@@ -99,10 +99,15 @@ class SaveSetPricer:
     def __init__(self, graph: Graph, recompute_internal: bool = True):
         self.graph = graph
         self.recompute_internal = recompute_internal
-        self.res_first: dict[int, int] = {}  # value id -> first node keeping it as residual
+        # value id -> first node keeping it as residual: XLA's (`residuals`: a kept segment's
+        # bytes), and JAX's VJP rules' (`vjp_residuals`: what a checkpointed one recomputes)
+        self.res_first: dict[int, int] = {}
+        self.vjp_first: dict[int, int] = {}
         for node in graph.nodes:
             for v in node.residuals:
                 self.res_first.setdefault(v, node.index)
+            for v in node.vjp_residuals:
+                self.vjp_first.setdefault(v, node.index)
         self._cross = crossing_bytes(graph)
         self._float_cross = float_crossing_bytes(graph)
         internal = [float(nd.internal_bytes) for nd in graph.nodes]
@@ -126,7 +131,7 @@ class SaveSetPricer:
             for o in g.nodes[i].outputs:
                 if o in saved:
                     continue
-                if self.res_first.get(o, end) < end or any(
+                if self.vjp_first.get(o, end) < end or any(
                     c < end and c in need for c in g.consumers[o]
                 ):
                     need.add(i)
@@ -135,7 +140,7 @@ class SaveSetPricer:
         return out
 
     def _is_needed_value(self, v: int, end: int, need) -> bool:
-        return self.res_first.get(v, end) < end or any(
+        return self.vjp_first.get(v, end) < end or any(
             c < end and c in need for c in self.graph.consumers[v]
         )
 

@@ -216,7 +216,7 @@ def _dominance(m: int, items) -> np.ndarray:
     return np.cumsum(grid, axis=1)[:, :m]
 
 
-def _first_needed(graph: Graph, saved: Callable[[int], bool], res_first: dict[int, int]):
+def _first_needed(graph: Graph, saved: Callable[[int], bool], vjp_first: dict[int, int]):
     """f[i]: the earliest node index whose backward needs node i's recompute (inf: never).
 
     A segment ending at e recomputes node i iff f[i] < e, whatever its start: node i is needed
@@ -236,7 +236,7 @@ def _first_needed(graph: Graph, saved: Callable[[int], bool], res_first: dict[in
         for o in graph.nodes[i].outputs:
             if saved(o):
                 continue
-            best = min(best, res_first.get(o, np.inf))
+            best = min(best, vjp_first.get(o, np.inf))
             for c in graph.consumers[o]:
                 if f[c] < best:
                     best = f[c]
@@ -271,11 +271,16 @@ def segment_table(
     def bin_of(idx):
         return np.searchsorted(cut_arr, idx, side="right") - 1
 
+    # kept (memory): what XLA stores, `residuals`; checkpointed (what is recomputed, which
+    # saved values are kept): what JAX's VJP rules read, `vjp_residuals`
     res_first: dict[int, int] = {}
+    vjp_first: dict[int, int] = {}
     internal_bytes = np.zeros(n)
     for node in graph.nodes:
         for v in node.residuals:
             res_first.setdefault(v, node.index)
+        for v in node.vjp_residuals:
+            vjp_first.setdefault(v, node.index)
         internal_bytes[node.index] = node.internal_bytes
     temps = [(v, r) for v, r in res_first.items() if graph.values[v].producer >= 0]
     res_items = [
@@ -317,14 +322,14 @@ def segment_table(
                 cache[v] = bool(pred(graph, v))
             return cache[v]
 
-        f = _first_needed(graph, saved, res_first)
+        f = _first_needed(graph, saved, vjp_first)
         # a saved value is kept when the segment's backward needs it: as a residual, or as
         # the input of an equation the recompute redoes
         kept_items = []
         for v in graph.values:
             if v.producer < 0 or not saved(v.id):
                 continue
-            first = min([res_first.get(v.id, np.inf)] + [f[c] for c in graph.consumers[v.id]])
+            first = min([vjp_first.get(v.id, np.inf)] + [f[c] for c in graph.consumers[v.id]])
             if np.isfinite(first):
                 kept_items.append((bin_of(v.producer), bin_of(int(first)), v.nbytes))
         kept = _dominance(m, kept_items)
