@@ -78,8 +78,9 @@ class Node:
     #: each as `<callee name>@<equation index in the caller>`: the user's own functions, found
     #: without names (trace/layers.py `call_keys`)
     calls: tuple[str, ...] = ()
-    #: value ids whose primal the node's VJP rule reads (JAX's residuals, before anchoring):
-    #: what a checkpointed segment must recompute when they are not saved
+    #: value ids whose primal the node's VJP rule reads by jremat's residual table
+    #: (`cost_model.residual_positions`, floating values only: not a select's predicate nor
+    #: gather indices), before anchoring: what a checkpointed segment recomputes unless saved
     vjp_residuals: tuple[int, ...] = ()
 
 

@@ -264,29 +264,34 @@ class SegmentModel:
         # least as good as the safe one, and reaches plans right at the budget. Its plans at
         # every memory level are candidates, cheapest first (a level of equal cost may hold
         # another plan, of less memory); and at a budget 1% lower, whose buckets fall
-        # elsewhere. The cheapest that fits exactly wins.
-        fitting = []
+        # elsewhere. The cheapest candidate that fits exactly wins.
+        candidates = [found]
+        tops = []  # per deflation: its top-level plan fits (None: none cheaper than the safe one)
         for deflate in (0.0, 0.01):
             optimistic = _bucket_dp(t, model_budget * (1 - deflate), round_up=False)
+            tops.append(None)
             for level in range(GRID, -1, -1) if optimistic is not None else ():
                 if not optimistic.cost[level] < best_cost:
                     break
                 again = optimistic.plan_at(level)
-                if _exact_peak(t, again[1]) <= model_budget:
-                    fitting.append(again)
+                fits = _exact_peak(t, again[1]) <= model_budget
+                if level == GRID:
+                    tops[-1] = fits
+                if fits:
+                    candidates.append(again)
                     break
-        if fitting:
-            return min(fitting, key=lambda found: found[0])
-        # Otherwise: the safe DP loses up to one bucket per segment; solving at slightly
-        # inflated budgets and keeping the cheapest result that still fits recovers most of it.
-        for inflate in INFLATIONS:
-            again = within_budget(t, model_budget * (1 + inflate))
-            if again is None or again[0] >= best_cost:
-                continue
-            if _exact_peak(t, again[1]) <= model_budget:
-                best_cost, best_segs = again
-                break
-        return best_cost, best_segs
+        # Unless a top-level optimistic plan settled it: the safe DP loses up to one bucket per
+        # segment; solving at slightly inflated budgets and keeping the first cheaper result
+        # that still fits recovers most of it.
+        if not (tops[0] or (tops[0] is False and tops[1])):
+            for inflate in INFLATIONS:
+                again = within_budget(t, model_budget * (1 + inflate))
+                if again is None or again[0] >= best_cost:
+                    continue
+                if _exact_peak(t, again[1]) <= model_budget:
+                    candidates.append(again)
+                    break
+        return min(candidates, key=lambda c: c[0])
 
     def cheapest_plan(self, model_budget: float, solver: str) -> Plan | None:
         """`cheapest_segments` as a `Plan` labelled `solver`, or None. Deterministic (no time
