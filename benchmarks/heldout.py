@@ -252,20 +252,19 @@ def per_value_rows(name: str, budgets) -> tuple[list[str], list[str]]:
         recompute_internal=True,
     )
     cuts = chain.model.cuts
+    assert laddered.model.cuts == cuts
     out, misses = [], []
     for b in budgets:
         budget = b * chain.no_remat_peak()
         found = chain.model.cheapest_segments(budget)
         found_l = laddered.model.cheapest_segments(budget)
-        assert laddered.model.cuts == cuts
         start = None if found is None else found[1]
+        if found is not None:
+            chain_peak, chain_flops = pv.pricer.path_cost(option_pieces(graph, cuts, found[1]))
         ladder_flops = None
         if found_l is not None:
             ladder_peak, ladder_flops = pv.pricer.path_cost(option_pieces(graph, cuts, found_l[1]))
-            if found is None or (
-                ladder_peak <= budget
-                and ladder_flops < pv.pricer.path_cost(option_pieces(graph, cuts, found[1]))[1]
-            ):
+            if found is None or (ladder_peak <= budget and ladder_flops < chain_flops):
                 start = found_l[1]  # warm-start from the better of the two
         t0 = time.perf_counter()
         sol = pv.solve(budget, start=start)
@@ -274,7 +273,6 @@ def per_value_rows(name: str, budgets) -> tuple[list[str], list[str]]:
             out.append(f"| {name} | {b} | infeasible in the model | - | - | - | - |")
             continue
         ref = max(sol.objective, 1.0)
-        chain_peak, chain_flops = pv.pricer.path_cost(option_pieces(graph, cuts, found[1]))
         picked = greedy.choose(budget)
         greedy_flops = (
             None if picked is None else pv.pricer.path_cost(option_pieces(graph, cuts, picked))[1]

@@ -16,6 +16,20 @@ from jremat._src.trace.graph import Graph, is_literal
 _LAYER_PART = re.compile(r"^(?:\d+|.*_\d+)$")
 
 
+def first_residual_use(graph: Graph) -> tuple[dict[int, int], dict[int, int]]:
+    """Value id -> the first node that keeps it as a residual: by XLA's anchored residuals
+    (`Node.residuals`: what a kept segment stores) and by what the VJP rules read
+    (`Node.vjp_residuals`: what a checkpointed segment recomputes unless saved)."""
+    res_first: dict[int, int] = {}
+    vjp_first: dict[int, int] = {}
+    for node in graph.nodes:
+        for v in node.residuals:
+            res_first.setdefault(v, node.index)
+        for v in node.vjp_residuals:
+            vjp_first.setdefault(v, node.index)
+    return res_first, vjp_first
+
+
 def crossing_bytes(graph: Graph) -> np.ndarray:
     """`out[p]`: temp bytes of the values crossing cut position p, for p in 0..num_nodes."""
     n = graph.num_nodes

@@ -259,7 +259,7 @@ class SegmentModel:
         found = within_budget(t, model_budget)
         if found is None:
             return None
-        best_cost, best_segs = found
+        best_cost = found[0]
         # Stores rounded down make the DP optimistic: a plan of it that fits exactly is at
         # least as good as the safe one, and reaches plans right at the budget. Its plans at
         # every memory level are candidates, cheapest first (a level of equal cost may hold

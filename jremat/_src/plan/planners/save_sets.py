@@ -31,7 +31,7 @@ from collections.abc import Collection, Iterable, Sequence
 import numpy as np
 
 from jremat._src.trace.graph import Graph
-from jremat._src.trace.layers import crossing_bytes, float_crossing_bytes
+from jremat._src.trace.layers import crossing_bytes, first_residual_use, float_crossing_bytes
 
 #: A priced path: `[(start, end, saved)]` node ranges tiling the program, each kept
 #: (`saved` None) or checkpointed saving the value ids `saved`.
@@ -101,13 +101,7 @@ class SaveSetPricer:
         self.recompute_internal = recompute_internal
         # value id -> first node keeping it as residual: XLA's (`residuals`: a kept segment's
         # bytes), and JAX's VJP rules' (`vjp_residuals`: what a checkpointed one recomputes)
-        self.res_first: dict[int, int] = {}
-        self.vjp_first: dict[int, int] = {}
-        for node in graph.nodes:
-            for v in node.residuals:
-                self.res_first.setdefault(v, node.index)
-            for v in node.vjp_residuals:
-                self.vjp_first.setdefault(v, node.index)
+        self.res_first, self.vjp_first = first_residual_use(graph)
         self._cross = crossing_bytes(graph)
         self._float_cross = float_crossing_bytes(graph)
         internal = [float(nd.internal_bytes) for nd in graph.nodes]

@@ -17,7 +17,7 @@ from jremat._src.plan.offload import OffloadCost
 from jremat._src.plan.planners.value_ladder import ladder_levels
 from jremat._src.trace.cost_model import FUSIBLE
 from jremat._src.trace.graph import Graph
-from jremat._src.trace.layers import crossing_bytes, float_crossing_bytes
+from jremat._src.trace.layers import crossing_bytes, first_residual_use, float_crossing_bytes
 
 KEEP_OPTION = "keep"
 
@@ -137,7 +137,7 @@ MARGINAL_OPTIONS = tuple(f"ladder<={f:g}" for f in MARGINAL_LADDER)
 LADDER_OPTIONS = (*FPB_OPTIONS, *MARGINAL_OPTIONS)
 
 #: The options the planners take unless given others: every `SAVE_OPTIONS` entry but the
-#: marginal ladder, which lowers the model's optimum (GPT-2 at 0.7: 18.9 -> 10.3 MFLOPs) but
+#: marginal ladder, which lowers the model's optimum (GPT-2 at 0.7: 19.8 -> 12.5 MFLOPs) but
 #: whose plans compile to more FLOPs than modelled, so `jremat.plan` returned worse plans
 #: with it (docs/design.md#per-value-save-sets); pass `options=` to use it.
 DEFAULT_OPTIONS = tuple(o for o in SAVE_OPTIONS if o not in MARGINAL_OPTIONS)
@@ -263,7 +263,6 @@ def segment_table(
             raise ValueError(f"unknown segment option {name!r}; known: {known}")
     options = distinct_options(graph, options)
     m = len(cuts)
-    n = graph.num_nodes
     cross = crossing_bytes(graph)
     float_cross = float_crossing_bytes(graph)
     cut_arr = np.asarray(cuts)
@@ -273,15 +272,8 @@ def segment_table(
 
     # kept (memory): what XLA stores, `residuals`; checkpointed (what is recomputed, which
     # saved values are kept): what JAX's VJP rules read, `vjp_residuals`
-    res_first: dict[int, int] = {}
-    vjp_first: dict[int, int] = {}
-    internal_bytes = np.zeros(n)
-    for node in graph.nodes:
-        for v in node.residuals:
-            res_first.setdefault(v, node.index)
-        for v in node.vjp_residuals:
-            vjp_first.setdefault(v, node.index)
-        internal_bytes[node.index] = node.internal_bytes
+    res_first, vjp_first = first_residual_use(graph)
+    internal_bytes = np.array([float(node.internal_bytes) for node in graph.nodes])
     temps = [(v, r) for v, r in res_first.items() if graph.values[v].producer >= 0]
     res_items = [
         (bin_of(graph.values[v].producer), bin_of(r), graph.values[v].nbytes) for v, r in temps
