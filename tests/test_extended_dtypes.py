@@ -9,6 +9,10 @@ devices stand in for a GPU node: unsharded arguments under `jax.jit` need no `in
 
 from __future__ import annotations
 
+import atexit
+import shutil
+import tempfile
+
 import chex
 import flax.linen as nn
 import jax
@@ -100,12 +104,19 @@ def test_drop_unkept_names_traces_a_segment_with_a_key_live_in():
 
 
 # -- a plain loss taking a key -------------------------------------------------------------------
+#: One plan cache for both variants of the dropout test: the first to run solves each key kind's
+#: plan, the other loads it (the suite's slowest planning; the solve's own path is tested by
+#: whichever variant runs first, and by the tests below with a fresh cache).
+_KEY_PLAN_DIR = tempfile.mkdtemp(prefix="jremat-test-keys-")
+atexit.register(shutil.rmtree, _KEY_PLAN_DIR, True)
+
+
 class KeyLossTest(chex.TestCase):
     @chex.variants(with_jit=True, without_jit=True)
     def test_dropout_loss_gradients_equal_and_temp_within_budget(self):
         for make in KEY_MAKERS.values():  # typed, then legacy uint32 keys: planned apart
             key = make(3)
-            wrapped = jremat.auto(dropout_loss, budget=0.8)
+            wrapped = jremat.auto(dropout_loss, budget=0.8, plan_dir=_KEY_PLAN_DIR)
             grads = self.variant(jax.grad(wrapped))(WS, X, key)
             assert_close(grads, jax.grad(dropout_loss)(WS, X, key))
             p = _only_plan(wrapped)

@@ -9,6 +9,7 @@ milp    exact mixed-integer program on HiGHS (Checkmate, Jain et al., MLSys 2020
 
 Not solvers of `jremat.plan`, references for tests and benchmarks:
 save_sets    one segment's costs under any set of saved values (the segment model's formula)
+value_polish value-by-value local search after the chain DP (`ChainPlanner(polish=True)`)
 milp_values  Checkmate's program value by value on that accounting: the per-value optimum
 
 Every planner holds a `SegmentModel` (`planner.model`) and offers `name`, `offload`, `table`,

@@ -40,10 +40,10 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from jremat._src.plan.plan import KEEP, SAVE_NAMES, Plan, Segment
+from jremat._src.plan.plan import Plan
 from jremat._src.plan.planners.highs import quiet_stdout
 from jremat._src.plan.planners.model import Segments, within_budget
-from jremat._src.plan.planners.save_sets import Pieces, SaveSetPricer
+from jremat._src.plan.planners.save_sets import Pieces, SaveSetPricer, pieces_plan
 from jremat._src.plan.planners.segments import option_pieces, segment_table
 from jremat._src.trace.graph import Graph
 from jremat._src.trace.layers import candidate_cuts
@@ -370,34 +370,7 @@ class PerValueMILP:
         sol = self.solve(model_budget)
         if sol is None:
             return None
-        g, out, running, peak = self.graph, [], 0.0, 0.0
-        for start, end, saved in sol.pieces:
-            if saved is None:
-                c = self.pricer.keep(start, end)
-            else:
-                c = self.pricer.price(start, end, saved)
-            running += c.stored
-            peak = max(peak, running + c.transient)
-            if saved is None and out and out[-1].policy == KEEP:
-                prev = out[-1]
-                prev.end = end
-                prev.stored_bytes += int(c.stored)
-                prev.transient_bytes = max(prev.transient_bytes, int(c.transient))
-                continue
-            policy = KEEP if saved is None else SAVE_NAMES
-            out.append(
-                Segment(
-                    start, end, policy, list(saved or ()), int(c.stored), int(c.transient), c.flops
-                )
-            )
-        plan = Plan(
-            out,
-            g.fingerprint,
-            g.num_nodes,
-            solver=self.name,
-            predicted_temp_bytes=int(peak),
-            recompute_flops=sol.objective,
-        )
+        plan = pieces_plan(self.pricer, sol.pieces, self.name, sol.objective)
         plan.notes.append(
             f"milp_values: objective {sol.objective:.6g} FLOPs, optimality gap {sol.gap:.3g} "
             f"({sol.status})"

@@ -30,6 +30,7 @@ from collections.abc import Collection, Iterable, Sequence
 
 import numpy as np
 
+from jremat._src.plan.plan import KEEP, SAVE_NAMES, Plan, Segment
 from jremat._src.trace.graph import Graph
 from jremat._src.trace.layers import crossing_bytes, first_residual_use, float_crossing_bytes
 
@@ -226,6 +227,36 @@ class SaveSetPricer:
         if pos != self.graph.num_nodes:
             raise ValueError(f"pieces: end at node {pos}, not at {self.graph.num_nodes}")
         return peak, flops
+
+
+def pieces_plan(pricer: SaveSetPricer, pieces: Pieces, solver: str, recompute_flops: float) -> Plan:
+    """A priced path as a `Plan` labelled `solver`: checkpointed pieces as policy "names"
+    segments saving their value ids, adjacent kept pieces merged, the predicted bytes and
+    FLOPs of each segment and of the plan from `pricer` (`recompute_flops`: the plan's
+    objective as its planner states it)."""
+    g, out, running, peak = pricer.graph, [], 0.0, 0.0
+    for start, end, saved in pieces:
+        c = pricer.keep(start, end) if saved is None else pricer.price(start, end, saved)
+        running += c.stored
+        peak = max(peak, running + c.transient)
+        if saved is None and out and out[-1].policy == KEEP:
+            prev = out[-1]
+            prev.end = end
+            prev.stored_bytes += int(c.stored)
+            prev.transient_bytes = max(prev.transient_bytes, int(c.transient))
+            continue
+        policy = KEEP if saved is None else SAVE_NAMES
+        out.append(
+            Segment(start, end, policy, list(saved or ()), int(c.stored), int(c.transient), c.flops)
+        )
+    return Plan(
+        out,
+        g.fingerprint,
+        g.num_nodes,
+        solver=solver,
+        predicted_temp_bytes=int(peak),
+        recompute_flops=recompute_flops,
+    )
 
 
 def save_set_cost(graph: Graph, start: int, end: int, saved: Sequence[int]) -> SaveSetCost:
