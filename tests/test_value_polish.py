@@ -104,7 +104,13 @@ def test_bad_input_raises_naming_the_argument():
     peak, _ = pricer.path_cost(kept)
     with pytest.raises(ValueError, match="pieces: modelled peak"):
         polish(pricer, kept, peak * 0.5)
-    with pytest.raises(ValueError, match="max_moves must be >= 0"):
-        polish(pricer, kept, peak, max_moves=-1)
+    for bad in (-1, None, 2.0):
+        with pytest.raises(ValueError, match="max_moves must be an int >= 0"):
+            polish(pricer, kept, peak, max_moves=bad)
+    for bad in (float("nan"), float("inf"), "1GB"):
+        with pytest.raises(ValueError, match="budget must be a finite number of bytes"):
+            polish(pricer, kept, bad)
+    with pytest.raises(ValueError, match="cuts must be node positions"):
+        polish(pricer, kept, peak, cuts=[5.5])
     done = polish(pricer, kept, peak, max_moves=0)
     chex.assert_equal((done.pieces, done.moves), (kept, 0))
