@@ -79,26 +79,21 @@ class ChainPlanner(OnSegmentModel):
         model = self.model
         if self._pricer is None:
             self._pricer = SaveSetPricer(model.graph)
+        scaled = model.predict(plan)
+        # unpredictable, or over the budget as merged by `to_plan` (the DP's rounding)
+        if not scaled or scaled > model_budget:
+            return plan
         pieces = option_pieces(model.graph, model.cuts, segs)
         raw_peak, _ = self._pricer.path_cost(pieces)
-        scaled = model.predict(plan)
-        if not scaled:
-            return plan
-        raw_budget = model_budget * raw_peak / scaled
-        if raw_peak > raw_budget:  # the DP's plan fits only by rounding
-            return plan
-        done = polish(self._pricer, pieces, raw_budget, cuts=model.cuts)
+        done = polish(self._pricer, pieces, model_budget * raw_peak / scaled, cuts=model.cuts)
         if done.moves == 0:
             return plan
         out = pieces_plan(self._pricer, done.pieces, self.name, done.flops)
-        predicted, cost = model.predict(out), model.cost(out)
-        if predicted is None or predicted > model_budget or cost is None:
-            return plan
-        if cost >= model.cost(plan):
+        predicted, cost, before = model.predict(out), model.cost(out), model.cost(plan)
+        if predicted is None or predicted > model_budget or cost is None or cost >= before:
             return plan
         out.predicted_temp_bytes = int(predicted)
         out.notes.append(
-            f"value polish: {done.moves} moves, modelled recompute "
-            f"{model.cost(plan):.4g} -> {cost:.4g} FLOPs"
+            f"value polish: {done.moves} moves, modelled recompute {before:.4g} -> {cost:.4g} FLOPs"
         )
         return out

@@ -211,6 +211,10 @@ class SaveSetPricer:
             tuple(kept),
         )
 
+    def piece(self, start: int, end: int, saved: Iterable[int] | None) -> SaveSetCost:
+        """Costs of one piece of a path: `keep` where `saved` is None, else `price`."""
+        return self.keep(start, end) if saved is None else self.price(start, end, saved)
+
     def path_cost(self, pieces: Pieces) -> tuple[float, float]:
         """(modelled peak in bytes, recompute FLOPs) of a path `[(start, end, saved or None
         for kept)]` by the segment model's peak formula `max_i (sum_{j <= i} stored_j +
@@ -219,7 +223,7 @@ class SaveSetPricer:
         for start, end, saved in pieces:
             if start != pos:
                 raise ValueError(f"pieces: segment [{start}, {end}) does not start at {pos}")
-            c = self.keep(start, end) if saved is None else self.price(start, end, saved)
+            c = self.piece(start, end, saved)
             running += c.stored
             peak = max(peak, running + c.transient)
             flops += c.flops
@@ -236,7 +240,7 @@ def pieces_plan(pricer: SaveSetPricer, pieces: Pieces, solver: str, recompute_fl
     objective as its planner states it)."""
     g, out, running, peak = pricer.graph, [], 0.0, 0.0
     for start, end, saved in pieces:
-        c = pricer.keep(start, end) if saved is None else pricer.price(start, end, saved)
+        c = pricer.piece(start, end, saved)
         running += c.stored
         peak = max(peak, running + c.transient)
         if saved is None and out and out[-1].policy == KEEP:

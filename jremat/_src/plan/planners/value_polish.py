@@ -75,10 +75,6 @@ class _Move:
     dstored: float
 
 
-def _price(pricer: SaveSetPricer, start: int, end: int, saved) -> SaveSetCost:
-    return pricer.keep(start, end) if saved is None else pricer.price(start, end, saved)
-
-
 def polish(
     pricer: SaveSetPricer,
     pieces: Pieces,
@@ -124,7 +120,7 @@ def polish(
     path = []
     for start, end, saved in pieces:
         saved = None if saved is None else frozenset(saved)
-        path.append((start, end, saved, _price(pricer, start, end, saved)))
+        path.append((start, end, saved, pricer.piece(start, end, saved)))
     moves = [_moves(pricer, piece, cuts) for piece in path]
     work = [sum(len(ms) for ms in moves)]  # pricings so far: bounds the kicks' work
     taken = 0
@@ -160,7 +156,7 @@ def _moves(pricer: SaveSetPricer, piece, cuts: Sequence[int]) -> list[tuple]:
         changes.append(None)  # kept whole
     out = []
     for new in changes:
-        c = _price(pricer, start, end, new)
+        c = pricer.piece(start, end, new)
         out.append((((start, end, new, c),), c.flops - cost.flops, c.stored - cost.stored))
     lo, hi = bisect.bisect_right(cuts, start), bisect.bisect_left(cuts, end)
     for cut in cuts[lo:hi]:
@@ -173,7 +169,7 @@ def _moves(pricer: SaveSetPricer, piece, cuts: Sequence[int]) -> list[tuple]:
             new = []
             for s, e, sv in ((start, cut, first), (cut, end, second)):
                 sv = frozenset(pricer.facts(s, e).candidates) if sv == "all" else sv
-                new.append((s, e, sv, _price(pricer, s, e, sv)))
+                new.append((s, e, sv, pricer.piece(s, e, sv)))
             flops = sum(p[3].flops for p in new) - cost.flops
             out.append((tuple(new), flops, sum(p[3].stored for p in new) - cost.stored))
     return out
