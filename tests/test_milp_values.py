@@ -80,9 +80,10 @@ def _pareto(points: list[tuple[float, float, float]]) -> list[tuple[float, float
 
 
 class ValueReference:
-    """Brute force over save sets: every path over `cuts` (segments of at most `max_span`
-    intervals), every segment kept or checkpointed with every subset of its candidates,
-    priced by `SaveSetPricer(graph, internal)`."""
+    """Brute force over save sets: every path over `cuts`, each segment kept (any span; never
+    right after a kept one: a kept run is one segment, as the plan runs it) or checkpointed
+    (at most `max_span` intervals) with every subset of its candidates, priced by
+    `SaveSetPricer(graph, internal)`."""
 
     def __init__(self, name: str, internal: bool):
         make, self.max_span = VALUE_CASES[name]
@@ -92,30 +93,36 @@ class ValueReference:
         self.cuts = candidate_cuts(self.graph, MAX_CUTS)
         pricer = SaveSetPricer(self.graph, internal)
         m = len(self.cuts)
-        self.choices = {}
-        for a in range(m - 1):
-            for b in range(a + 1, min(m, a + 1 + self.max_span)):
-                s, e = self.cuts[a], self.cuts[b]
-                cands = pricer.facts(s, e).candidates
-                assert 2 ** len(cands) <= MAX_SETS, (name, a, b, len(cands))
-                keep = pricer.keep(s, e)
-                points = [(keep.stored, keep.transient, 0.0)]
-                for bits in itertools.product((False, True), repeat=len(cands)):
-                    c = pricer.price(s, e, [v for v, on in zip(cands, bits, strict=True) if on])
-                    points.append((c.stored, c.transient, c.flops))
-                self.choices[a, b] = _pareto(points)
+        self.choices, self.keeps = {}, {}
+        for a, b in itertools.combinations(range(m), 2):
+            s, e = self.cuts[a], self.cuts[b]
+            keep = pricer.keep(s, e)
+            self.keeps[a, b] = (keep.stored, keep.transient, 0.0)
+            if b - a > self.max_span:
+                continue
+            cands = pricer.facts(s, e).candidates
+            assert 2 ** len(cands) <= MAX_SETS, (name, a, b, len(cands))
+            points = []
+            for bits in itertools.product((False, True), repeat=len(cands)):
+                c = pricer.price(s, e, [v for v, on in zip(cands, bits, strict=True) if on])
+                points.append((c.stored, c.transient, c.flops))
+            self.choices[a, b] = _pareto(points)
         self.peaks, self.costs = self._enumerate(0, m, 0.0, 0.0, 0.0)
         self.smallest_peak = float(self.peaks.min())
         keep = pricer.keep(0, self.graph.num_nodes)
         self.no_remat_peak = keep.stored + keep.transient
 
-    def _enumerate(self, a, m, running, peak, total):
+    def _enumerate(self, a, m, running, peak, total, kept=False):
         if a == m - 1:
             return np.array([peak]), np.array([total])
         peaks, costs = [], []
-        for b in range(a + 1, min(m, a + 1 + self.max_span)):
-            for s, t, f in self.choices[a, b]:
-                p, c = self._enumerate(b, m, running + s, max(peak, running + s + t), total + f)
+        for b in range(a + 1, m):
+            options = [(p, False) for p in self.choices.get((a, b), ())]
+            options += [] if kept else [(self.keeps[a, b], True)]
+            for (s, t, f), keeps in options:
+                p, c = self._enumerate(
+                    b, m, running + s, max(peak, running + s + t), total + f, keeps
+                )
                 peaks.append(p)
                 costs.append(c)
         return np.concatenate(peaks), np.concatenate(costs)

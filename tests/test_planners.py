@@ -307,3 +307,21 @@ def test_dtr_per_value_plan_compiles_to_exact_gradients():
     assert compiled.flops > prog.baseline.flops  # the evicted residuals are recomputed
     got = jax.grad(jremat.rematerialize(m.loss, own))(*m.args)
     M.assert_trees_close(got, jax.grad(m.loss)(*m.args), rtol=1e-5)
+
+
+@pytest.mark.parametrize("solver", sorted(PLANNERS))
+def test_planners_reject_a_model_budget_that_is_no_number(programs, solver):
+    """Every planner's `plan` names `model_budget` for NaN (a ValueError) and for what is no
+    real number (a TypeError: a string, None, a bool), rather than failing inside its DP
+    (the chain DP raised an IndexError on NaN, greedy returned a plan); +inf plans as the
+    unrematerialized peak: nothing recomputed."""
+    _, prog = programs("mlp_chain")
+    planner = PLANNERS[solver](prog.graph, max_cuts=16)
+    with pytest.raises(ValueError, match="model_budget.*nan"):
+        planner.plan(float("nan"))
+    for bad in ("1e6", None, True):
+        with pytest.raises(TypeError, match="model_budget"):
+            planner.plan(bad)
+    unbounded = planner.plan(float("inf"))
+    assert unbounded is not None and not unbounded.recompute_flops
+    assert planner.plan(np.float32(-1.0)) is None

@@ -662,7 +662,9 @@ def _best_first(
         logger.info("best-first search hands over to the full search: %s", found.log[-1])
         return None, pool
     if best[1] is None:
-        logger.info("best-first search: no plan fits (%s); the full search follows", "; ".join(found.log))
+        logger.info(
+            "best-first search: no plan fits (%s); the full search follows", "; ".join(found.log)
+        )
         return None, pool
     recipe_won = planner is not None and best[1].solver != planner.name
     if recipe_won and best[2].temp_bytes < (1 - CLOSE_ENOUGH) * target:

@@ -59,7 +59,8 @@ class ChainPlanner(OnSegmentModel):
     def plan(self, model_budget: float) -> Plan | None:
         """Lowest-cost plan (FLOPs, with offload transfers) whose modelled peak is <=
         `model_budget` bytes, or None; with `polish`, the DP's plan polished where that
-        lowers its modelled FLOPs within the budget."""
+        lowers its modelled FLOPs within the budget. Raises as `SegmentModel.checked_budget`."""
+        model_budget = self.model.checked_budget(model_budget)
         found = self.model.cheapest_segments(model_budget)
         if found is None:
             return None

@@ -219,8 +219,10 @@ class DTRPlanner(OnSegmentModel):
         stores), so when evicting every residual does not fit, nothing does: None, without
         simulating; that plan is also the answer when no simulated budget fits. Simulated
         budgets under `1 / 2**MIN_SIM_HALVINGS` of the roomy one are not run (DTR's
-        evictions saturate there, and each simulation slows as it evicts more).
+        evictions saturate there, and each simulation slows as it evicts more). Raises as
+        `SegmentModel.checked_budget`.
         """
+        model_budget = self.model.checked_budget(model_budget)
         if model_budget <= 0:
             return None
         graph = self.model.graph

@@ -8,7 +8,13 @@ byte stored, until the budget is spent. Details: docs/design.md#planners.
 from __future__ import annotations
 
 from jremat._src.plan.plan import Plan
-from jremat._src.plan.planners.model import OnSegmentModel, SegmentModel, Segments
+from jremat._src.plan.planners.model import (
+    OnSegmentModel,
+    SegmentModel,
+    Segments,
+    exact_peak,
+    merge_kept,
+)
 from jremat._src.plan.planners.segments import KEEP_OPTION, LADDER_OPTIONS, SegmentTable
 from jremat._src.trace.layers import layer_segments
 
@@ -34,20 +40,20 @@ def _segments(model: SegmentModel) -> list[tuple[int, int]]:
 
 
 def choose(model: SegmentModel, model_budget: float) -> Segments | None:
-    """The greedy choice on `model` as `[(cut a, cut b, option)]`, or None when even the
-    cheapest memory choice exceeds `model_budget` bytes."""
+    """The greedy choice on `model` as `[(cut a, cut b, option)]` (adjacent kept segments
+    merged, and priced so), or None when even the cheapest memory choice exceeds
+    `model_budget` bytes."""
     t = model.table
+    if model.no_remat_peak() <= model_budget:  # nothing recomputed: no plan is cheaper
+        return [(0, len(t.cuts) - 1, KEEP_OPTION)]
     segs = _segments(model)
     ladders = [_ladder(t, a, b) for a, b in segs]
     level = [0] * len(segs)
 
     def peak(levels) -> float:
-        run, pk = 0.0, 0.0
-        for (a, b), ladder, lv in zip(segs, ladders, levels, strict=True):
-            k = t.option_index(ladder[lv])
-            run += t.stored[k, a, b]
-            pk = max(pk, run + t.transient[k, a, b])
-        return pk
+        # adjacent kept segments priced as the one segment the plan makes of them (`to_plan`)
+        path = [(a, b, lad[lv]) for (a, b), lad, lv in zip(segs, ladders, levels, strict=True)]
+        return exact_peak(t, merge_kept(path))
 
     if peak(level) > model_budget:
         return None
@@ -75,7 +81,9 @@ def choose(model: SegmentModel, model_budget: float) -> Segments | None:
         if best is None:
             break
         level = best
-    return [(a, b, lad[lv]) for (a, b), lad, lv in zip(segs, ladders, level, strict=True)]
+    return merge_kept(
+        [(a, b, lad[lv]) for (a, b), lad, lv in zip(segs, ladders, level, strict=True)]
+    )
 
 
 def _ladder(t: SegmentTable, a: int, b: int) -> list[str]:
@@ -114,9 +122,10 @@ class GreedyPlanner(OnSegmentModel):
 
     def choose(self, model_budget: float) -> Segments | None:
         """`choose` on this planner's model."""
-        return choose(self.model, model_budget)
+        return choose(self.model, self.model.checked_budget(model_budget))
 
     def plan(self, model_budget: float) -> Plan | None:
-        """The greedy choice within `model_budget` bytes as a `Plan`, or None."""
-        chosen = choose(self.model, model_budget)
+        """The greedy choice within `model_budget` bytes as a `Plan`, or None. Raises as
+        `SegmentModel.checked_budget`."""
+        chosen = choose(self.model, self.model.checked_budget(model_budget))
         return None if chosen is None else self.model.to_plan(chosen, self.name)

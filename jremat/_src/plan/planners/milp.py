@@ -14,7 +14,13 @@ import numpy as np
 from jremat._src.plan.offload import OffloadCost
 from jremat._src.plan.plan import Plan
 from jremat._src.plan.planners.highs import quiet_stdout
-from jremat._src.plan.planners.model import OnSegmentModel, SegmentModel, Segments
+from jremat._src.plan.planners.model import (
+    OnSegmentModel,
+    SegmentModel,
+    Segments,
+    exact_peak,
+    merge_kept,
+)
 from jremat._src.plan.planners.segments import DEFAULT_OPTIONS
 from jremat._src.trace.graph import Graph
 
@@ -79,18 +85,24 @@ class MILPPlanner(OnSegmentModel):
     def plan(self, model_budget: float) -> Plan | None:
         """The lowest-cost plan (FLOPs, with offload transfers) whose modelled peak is <=
         `model_budget` bytes that HiGHS finds within `max_nodes` nodes, or None. Deterministic:
-        one thread, a fixed random seed and no wall-clock limit (unless `time_limit` is set)."""
+        one thread, a fixed random seed and no wall-clock limit (unless `time_limit` is set).
+        Raises as `SegmentModel.checked_budget`."""
         import highspy
         from scipy.sparse import lil_matrix
 
+        model_budget = self.model.checked_budget(model_budget)
+
         t = self.model.table
         m, K = len(t.cuts), len(t.options)
+        # kept segments (option 0) of any span: no two are adjacent (the model's DPs' rule,
+        # see model._bucket_dp), so a long kept run is one edge, not a chain of short ones
         edges = [
             (k, a, b)
             for a in range(m - 1)
-            for b in range(a + 1, min(m, a + 1 + self.max_span))
+            for b in range(a + 1, m)
             for k in range(K)
-            if t.stored[k, a, b] + t.transient[k, a, b] <= model_budget
+            if (k == 0 or b - a <= self.max_span)
+            and t.stored[k, a, b] + t.transient[k, a, b] <= model_budget
         ]
         if not edges:
             return None
@@ -98,7 +110,7 @@ class MILPPlanner(OnSegmentModel):
         nvar = E + m  # x per edge, then S per cut
         cost = np.zeros(nvar)
         cost[:E] = [t.cost[k, a, b] for k, a, b in edges]
-        rows = E + 2 * m
+        rows = E + 3 * m
         A = lil_matrix((rows, nvar))
         lo, hi = np.full(rows, -highspy.kHighsInf), np.zeros(rows)
         r = 0
@@ -123,6 +135,12 @@ class MILPPlanner(OnSegmentModel):
                 if b == cut:
                     A[r, i] -= 1.0
             lo[r] = hi[r] = 1.0 if cut == 0 else (-1.0 if cut == m - 1 else 0.0)
+            r += 1
+        for cut in range(m):  # at most one kept segment ends or starts at each cut
+            for i, (k, a, b) in enumerate(edges):
+                if k == 0 and cut in (a, b):
+                    A[r, i] = 1.0
+            hi[r] = 1.0
             r += 1
         upper = np.concatenate([np.ones(E), np.full(m, model_budget)])
         upper[E] = 0.0  # nothing is stored before the first cut
@@ -188,7 +206,7 @@ class MILPPlanner(OnSegmentModel):
         for heuristic in self.incumbents:
             segs = heuristic(self.model, model_budget)
             if segs is not None:
-                candidates.append(segs)
+                candidates.append(merge_kept(segs))  # the program's rule: no adjacent kept
         best, best_cost = None, np.inf
         for segs in candidates:
             x = np.zeros(len(edges) + len(t.cuts))
@@ -204,6 +222,6 @@ class MILPPlanner(OnSegmentModel):
                 cost += t.cost[k, a, b]
             else:
                 x[-1] = running
-                if cost < best_cost:
+                if cost < best_cost and exact_peak(t, segs) <= model_budget:
                     best, best_cost = x, cost
         return best

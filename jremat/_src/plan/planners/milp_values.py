@@ -10,7 +10,7 @@ the reference the chain DP and greedy are measured against (tests/test_milp_valu
 `benchmarks/heldout.py --per-value`). It is not a user-facing solver.
 
 Variables, over cut positions `cuts` and segments (a, b) with b - a <= max_span (and a
-given warm start's segments, whatever their span):
+given warm start's segments, whatever their span; kept segments of any span):
   x[a,b], y[a,b]  binary: the segment is taken kept / checkpointed (a path from cut 0 to the end)
   s[a,b,v]        binary: checkpointed (a, b) saves value v (a candidate of the segment)
   r[a,b,i]        in [0, 1]: checkpointed (a, b) recomputes node i (integral at the optimum:
@@ -25,6 +25,8 @@ given warm start's segments, whatever their span):
          S[b] = S[b-1] + sum_a [(live_in + internal) x[a,b] + live_in y[a,b]
                                 + sum_v bytes_v s[a,b,v]]
          S[a] + (live_in + internal + boundary) (x[a,b] + y[a,b]) <= B
+         sum of x over the segments ending or starting at c <= 1   (no two adjacent kept:
+                                 one kept run is one segment, as `pieces_plan` merges it)
 
 A segment's own peak term `stored + transient` does not depend on its save set
 (`save_sets`), so as in the segment MILP the peak row needs no big-M. A saved value the
@@ -42,7 +44,7 @@ import numpy as np
 
 from jremat._src.plan.plan import Plan
 from jremat._src.plan.planners.highs import quiet_stdout
-from jremat._src.plan.planners.model import Segments, within_budget
+from jremat._src.plan.planners.model import Segments, check_model_budget, within_budget
 from jremat._src.plan.planners.save_sets import Pieces, SaveSetPricer, pieces_plan
 from jremat._src.plan.planners.segments import option_pieces, segment_table
 from jremat._src.trace.graph import Graph
@@ -92,9 +94,11 @@ class PerValueMILP:
         `cuts` is None.
       cuts: explicit cut positions (node indices, ascending, 0 and `num_nodes` included);
         with `max_span=1` a fixed segmentation (each segment kept or checkpointed with a
-        per-value save set). None (default): the model's candidates.
-      max_span: how many cut intervals one segment may cover (the segments of a `start`
-        given to `solve` are added whatever their span); None: any.
+        per-value save set; a run of kept ones is one kept segment). None (default): the
+        model's candidates.
+      max_span: how many cut intervals a checkpointed segment may cover (the segments of a
+        `start` given to `solve` are added whatever their span; kept segments may cover
+        any); None: any.
       max_nodes: HiGHS's branch-and-bound node limit per solve; None: no limit. No time
         limit: with one thread and a fixed seed the solve is deterministic.
       warm_start: start HiGHS from an option plan on the same cuts (`solve`'s `start`, by
@@ -168,11 +172,16 @@ class PerValueMILP:
             start from (for instance `SegmentModel.cheapest_segments`' on the same cuts),
             whose segments join the program whatever their span; None (default): the chain
             DP's (`within_budget`) on these cuts within `max_span`.
+
+        Raises:
+          TypeError, ValueError: as `model.check_model_budget` (+inf is the unrematerialized
+            peak).
         """
         import highspy
         from scipy.sparse import coo_matrix
 
-        P, g, B = self.cuts, self.graph, float(model_budget)
+        B = check_model_budget(model_budget, self.no_remat_peak)
+        P, g = self.cuts, self.graph
         m = len(P)
         cols_cost: list[float] = []
         cols_hi: list[float] = []
@@ -205,13 +214,16 @@ class PerValueMILP:
             found = within_budget(self._option_table(), B)
             start = None if found is None else found[1]
         extra = {(a, b) for a, b, _ in start or ()}
-        edges = []  # (a, b, x col, y col, {value: s col}, {node: r col}, facts)
+        # (a, b, x col, y col or None, {value: s col}, {node: r col}, facts); kept segments of
+        # any span (no two adjacent, below: one kept run is one segment, as the plan runs it)
+        edges = []
         for a in range(m - 1):
             for b in range(a + 1, m):
-                if b - a > self.max_span and (a, b) not in extra:
-                    continue
                 f = self.pricer.facts(P[a], P[b])
                 if f.live_in + f.internal + f.boundary > B:
+                    continue
+                if b - a > self.max_span and (a, b) not in extra:
+                    edges.append((a, b, col(0.0, True), None, {}, {}, f))
                     continue
                 x, y = col(0.0, True), col(0.0, True)
                 s = {v: col(0.0, True) for v in f.candidates}
@@ -221,6 +233,8 @@ class PerValueMILP:
             return None
         for a, b, x, y, s, r, f in edges:
             row([(S[a], 1.0), (x, f.live_in + f.internal + f.boundary)], -inf, B)
+            if y is None:
+                continue
             row([(S[a], 1.0), (y, f.live_in + f.internal + f.boundary)], -inf, B)
             for sv in s.values():
                 row([(sv, 1.0), (y, -1.0)], -inf, 0.0)
@@ -241,18 +255,21 @@ class PerValueMILP:
             for _, b, x, y, s, _, f in edges:
                 if b != c:
                     continue
-                terms += [(x, -(f.live_in + f.internal)), (y, -f.live_in)]
+                terms += [(x, -(f.live_in + f.internal))]
+                terms += [] if y is None else [(y, -f.live_in)]
                 terms += [(sv, -float(g.values[v].nbytes)) for v, sv in s.items()]
             row(terms, 0.0, 0.0)
         for c in range(m):  # flow: out - in = 1 at the source, -1 at the sink, else 0
             terms = []
             for a, b, x, y, *_ in edges:
                 if a == c:
-                    terms += [(x, 1.0), (y, 1.0)]
+                    terms += [(x, 1.0)] + ([] if y is None else [(y, 1.0)])
                 if b == c:
-                    terms += [(x, -1.0), (y, -1.0)]
+                    terms += [(x, -1.0)] + ([] if y is None else [(y, -1.0)])
             want = 1.0 if c == 0 else (-1.0 if c == m - 1 else 0.0)
             row(terms, want, want)
+        for c in range(1, m - 1):  # at most one kept segment ends or starts at each cut
+            row([(x, 1.0) for a, b, x, *_ in edges if c in (a, b)], -inf, 1.0)
 
         nvar, nrow = len(cols_cost), len(row_lo)
         A = coo_matrix((rows_v, (rows_i, rows_j)), shape=(nrow, nvar)).tocsc()
@@ -299,7 +316,7 @@ class PerValueMILP:
         for a, b, x, y, s, _, _ in edges:
             if values[x] > 0.5:
                 by_start[a] = (b, None)
-            elif values[y] > 0.5:
+            elif y is not None and values[y] > 0.5:
                 by_start[a] = (b, [v for v, sv in s.items() if values[sv] > 0.5])
         a = 0
         while a < m - 1:
@@ -326,7 +343,7 @@ class PerValueMILP:
             m = len(self.cuts)
             span = np.subtract.outer(np.arange(m), np.arange(m)).T  # b - a
             for arr in (t.stored, t.transient, t.flops):  # `cost` is `flops` without offload
-                arr[:, span > self.max_span] = np.inf  # segments the program does not have
+                arr[1:, span > self.max_span] = np.inf  # segments the program does not have
             self._table = t
         return self._table
 
@@ -347,6 +364,8 @@ class PerValueMILP:
             _, _, x, y, s, r, f = e
             for c in range(a, b):  # S at the segment's start and the cuts inside it
                 x0[S[c]] = running
+            if saved is not None and y is None:
+                return None
             if saved is None:
                 x0[x] = 1.0
                 running += f.live_in + f.internal

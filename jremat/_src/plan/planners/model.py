@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
+from collections.abc import Callable
 
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
@@ -66,26 +68,38 @@ def first_near_min(values: np.ndarray, axis: int) -> np.ndarray:
 
 def min_memory(t: SegmentTable) -> tuple[float, Segments]:
     """The segmentation with the smallest modelled peak in bytes (ties: fewest FLOPs). Exact
-    DP."""
+    DP over paths without two adjacent kept segments (see the note above `_bucket_dp`)."""
     m = len(t.cuts)
-    peak_of = np.full(m, math.inf)  # smallest peak of the suffix from each cut
-    flops_of = np.full(m, math.inf)  # its FLOPs
-    choice: list[tuple[int, str] | None] = [None] * m
-    peak_of[m - 1] = flops_of[m - 1] = 0.0
+    # [state, cut]: the smallest peak (and its FLOPs) of the suffix from each cut, where state
+    # 1 is "the segment before was kept" (the suffix must not start with a kept one)
+    peak_of = np.full((2, m), math.inf)
+    flops_of = np.full((2, m), math.inf)
+    choice: list[list[tuple[int, str] | None]] = [[None] * m, [None] * m]
+    peak_of[:, m - 1] = flops_of[:, m - 1] = 0.0
     for a in range(m - 2, -1, -1):
-        # every segment (a, b) under every option: shape (b, option)
+        # every segment (a, b) under every option: shape (b, option); a kept one continues in
+        # state 1, the others in state 0
         stored, trans, fl = (x[:, a, a + 1 :].T for x in (t.stored, t.transient, t.cost))
-        peak = np.maximum(stored + trans, stored + peak_of[a + 1 :, None])
-        flops = fl + flops_of[a + 1 :, None]
-        # lexicographic (peak, FLOPs) minimum; ties (to COST_TIE): the smallest b, then the
-        # first option
-        lowest = peak.min()
-        flops = np.where(peak <= lowest * (1 + COST_TIE), flops, math.inf)
-        i, k = np.unravel_index(first_near_min(flops.reshape(-1), axis=0), flops.shape)
-        if (lowest, flops[i, k]) < (math.inf, math.inf):
-            peak_of[a], flops_of[a] = lowest, flops[i, k]
-            choice[a] = (a + 1 + int(i), t.options[int(k)])
-    return float(peak_of[0]), _walk(choice, m)
+        after = np.repeat(peak_of[0, a + 1 :, None], len(t.options), axis=1)
+        after_fl = np.repeat(flops_of[0, a + 1 :, None], len(t.options), axis=1)
+        after[:, 0], after_fl[:, 0] = peak_of[1, a + 1 :], flops_of[1, a + 1 :]
+        peak = np.maximum(stored + trans, stored + after)
+        flops = fl + after_fl
+        for state in (0, 1):
+            if state == 1:  # after a kept segment: no kept one
+                peak, flops = peak[:, 1:], flops[:, 1:]
+            # lexicographic (peak, FLOPs) minimum; ties (to COST_TIE): the smallest b, then the
+            # first option
+            lowest = peak.min() if peak.size else math.inf
+            if not lowest < math.inf:
+                continue
+            near = np.where(peak <= lowest * (1 + COST_TIE), flops, math.inf)
+            i, k = np.unravel_index(first_near_min(near.reshape(-1), axis=0), near.shape)
+            if near[i, k] < math.inf:
+                peak_of[state, a], flops_of[state, a] = lowest, near[i, k]
+                choice[state][a] = (a + 1 + int(i), t.options[int(k) + state])
+    segs = _walk(choice, m)
+    return float(peak_of[0, 0]), absorb_free_checkpoints(t, segs, exact_peak(t, segs))
 
 
 def within_budget(
@@ -105,7 +119,8 @@ def within_budget(
 class _Frontier:
     """The suffix DP's tables over the memory levels of one budget: `cost[L]`, the cheapest
     plan from the first cut with L buckets (of `q` bytes) left, non-increasing in L, and the
-    choices to walk it (`plan_at`)."""
+    choices to walk it (`plan_at`): `arg_b[state, a, L]`, `arg_mode[state, a, L]`, state 1
+    after a kept segment (see the note above `_bucket_dp`)."""
 
     def __init__(self, t, q, cost, arg_b, arg_mode, round_up):
         self.t, self.q, self.cost = t, q, cost
@@ -116,20 +131,31 @@ class _Frontier:
         if not np.isfinite(total):
             return None
         t, q, m = self.t, self.q, len(self.t.cuts)
-        segs, a = [], 0
+        segs, a, state = [], 0, 0
         while a < m - 1:
-            b, k = int(self.arg_b[a, level]), int(self.arg_mode[a, level])
+            b, k = int(self.arg_b[state, a, level]), int(self.arg_mode[state, a, level])
             stored = t.stored[k, a, b]
             segs.append((a, b, t.options[k]))
             level -= int(
                 math.ceil(stored / q - 1e-9) if self.round_up else math.floor(stored / q + 1e-9)
             )
-            a = b
+            a, state = b, int(k == 0)
         return float(total), segs
 
 
+# Neither DP puts a kept segment right after a kept one. Two adjacent kept segments are one
+# program region with no checkpoint between them: `SegmentModel.to_plan` merges them and
+# `predict` prices the table's entry for the merged span, whose stores omit the values that
+# cross the inner cut without being residuals and whose transient omits that cut's cotangents
+# and working set. Priced apart, the DP returned plans predicted up to 0.8% over its budget
+# (tests/models.py's decoder at 0.54). The merged span is an entry of its own, so forbidding
+# the pair loses no plan. Hence a state per cut: 1 after a kept segment, else 0.
+
+
 def _bucket_dp(t: SegmentTable, budget: float, round_up: bool) -> _Frontier | None:
-    """`within_budget`'s DP, every memory level kept; None when the budget is not positive."""
+    """`within_budget`'s DP, every memory level kept; None when the budget is not positive.
+    Two states per cut: any segment may start there (0), or, after a kept segment, only a
+    checkpointed one (1)."""
     m = len(t.cuts)
     if budget <= 0:
         return None
@@ -137,13 +163,14 @@ def _bucket_dp(t: SegmentTable, budget: float, round_up: bool) -> _Frontier | No
     width = GRID + 1  # memory levels 0..GRID buckets
     levels = np.arange(width) * q  # memory available at each bucket
     inf = np.inf
-    # F[b, L], the cheapest suffix from cut b with L buckets left, sits after `width` columns
-    # of inf, so F[b, L - s] for every level L (inf where L < s) is one contiguous window
-    padded = np.full((m, 2 * width), inf)
-    padded[m - 1, width:] = 0.0
-    windows = sliding_window_view(padded, width, axis=1)  # [b, o] = padded[b, o : o + width]
-    arg_b = np.full((m, width), -1, dtype=np.int32)
-    arg_mode = np.zeros((m, width), dtype=np.int8)
+    # F[state, b, L], the cheapest suffix from cut b in `state` with L buckets left, sits after
+    # `width` columns of inf, so F[state, b, L - s] for every level L (inf where L < s) is one
+    # contiguous window
+    padded = np.full((2, m, 2 * width), inf)
+    padded[:, m - 1, width:] = 0.0
+    windows = sliding_window_view(padded, width, axis=2)  # [s, b, o] = padded[s, b, o : o + width]
+    arg_b = np.full((2, m, width), -1, dtype=np.int32)
+    arg_mode = np.zeros((2, m, width), dtype=np.int8)
     cols = np.arange(width)
     for a in range(m - 2, -1, -1):
         # every segment (a, b) under every option at once: shape (b, option, memory level)
@@ -158,19 +185,25 @@ def _bucket_dp(t: SegmentTable, budget: float, round_up: bool) -> _Frontier | No
         rows_b, rows_k = np.nonzero(need <= GRID)
         if not len(rows_b):
             continue
-        rest = windows[bs[rows_b], width - shift[rows_b, rows_k]]  # F[b, L - shift]
+        # F[next state, b, L - shift]: after a kept segment (option 0) the next is state 1
+        rest = windows[(rows_k == 0).astype(np.int64), bs[rows_b], width - shift[rows_b, rows_k]]
         cand = np.where(
             cols >= need[rows_b, rows_k][:, None], fl[rows_b, rows_k][:, None] + rest, inf
         )
-        first = first_near_min(cand, axis=0)  # ties: the smallest b, then the first option
-        best = cand[first, cols]
-        padded[a, width:] = best
-        arg_b[a] = np.where(np.isfinite(best), bs[rows_b[first]], -1)
-        arg_mode[a] = rows_k[first]
-    return _Frontier(t, q, padded[0, width:].copy(), arg_b, arg_mode, round_up)
+        for state in (0, 1):
+            rows = np.arange(len(rows_b)) if state == 0 else np.nonzero(rows_k != 0)[0]
+            if not len(rows):
+                continue
+            # ties: the smallest b, then the first option
+            first = rows[first_near_min(cand[rows], axis=0)]
+            best = cand[first, cols]
+            padded[state, a, width:] = best
+            arg_b[state, a] = np.where(np.isfinite(best), bs[rows_b[first]], -1)
+            arg_mode[state, a] = rows_k[first]
+    return _Frontier(t, q, padded[0, 0, width:].copy(), arg_b, arg_mode, round_up)
 
 
-def _exact_peak(t: SegmentTable, segs: Segments) -> float:
+def exact_peak(t: SegmentTable, segs: Segments) -> float:
     """The modelled peak of `segs` in bytes, without the DP's memory buckets."""
     running, peak = 0.0, 0.0
     for a, b, option in segs:
@@ -180,13 +213,74 @@ def _exact_peak(t: SegmentTable, segs: Segments) -> float:
     return peak
 
 
-def _walk(choice, m: int) -> Segments:
-    segs, a = [], 0
-    while a < m - 1:
-        b, mode = choice[a]
-        segs.append((a, b, mode))
-        a = b
+def merge_kept(segs: Segments) -> Segments:
+    """`segs` with every run of adjacent kept segments made one (the plan `SegmentModel.to_plan`
+    makes of them, and the form the DPs return: see the note above `_bucket_dp`)."""
+    out: Segments = []
+    for a, b, option in segs:
+        if option == KEEP_OPTION and out and out[-1][2] == KEEP_OPTION:
+            out[-1] = (out[-1][0], b, KEEP_OPTION)
+        else:
+            out.append((a, b, option))
+    return out
+
+
+def absorb_free_checkpoints(t: SegmentTable, segs: Segments, limit: float) -> Segments:
+    """`segs` with each checkpointed segment that recomputes nothing (cost 0) next to a kept
+    one made part of it, where the merged path's modelled peak stays within `limit` bytes.
+
+    Such a checkpoint buys nothing, but the DPs take it on a tie: with no kept segment right
+    after a kept one (see the note above `_bucket_dp`), a kept run followed by a cost-free
+    checkpoint (the scalar loss at the end, say) ties the run kept to the end, and the earlier
+    cut wins the tie. It would compile to another program than the plain one it equals.
+    """
+    segs = list(segs)
+    changed = True
+    while changed:
+        changed = False
+        for i, (a, b, option) in enumerate(segs):
+            k = t.option_index(option)
+            if option == KEEP_OPTION or t.cost[k, a, b] != 0:
+                continue
+            near = [j for j in (i - 1, i + 1) if 0 <= j < len(segs) and segs[j][2] == KEEP_OPTION]
+            if not near:
+                continue
+            trial = merge_kept([*segs[:i], (a, b, KEEP_OPTION), *segs[i + 1 :]])
+            if exact_peak(t, trial) <= limit:
+                segs, changed = trial, True
+                break
     return segs
+
+
+def _walk(choice, m: int) -> Segments:
+    """The path `min_memory`'s choices give from the first cut (state 0, then state 1 after a
+    kept segment)."""
+    segs, a, state = [], 0, 0
+    while a < m - 1:
+        b, mode = choice[state][a]
+        segs.append((a, b, mode))
+        a, state = b, int(mode == KEEP_OPTION)
+    return segs
+
+
+def check_model_budget(model_budget, unbounded: Callable[[], float]) -> float:
+    """A planner's `model_budget` (bytes) as a float; +inf as `unbounded()` (the
+    unrematerialized peak: no plan within an infinite budget is cheaper than recomputing
+    nothing).
+
+    Raises:
+      TypeError: not a real number (a bool, None or a string included).
+      ValueError: NaN.
+    """
+    if isinstance(model_budget, bool) or not isinstance(model_budget, numbers.Real):
+        raise TypeError(
+            "model_budget must be a number of bytes (an int or float); got "
+            f"{type(model_budget).__name__} {model_budget!r}"
+        )
+    budget = float(model_budget)
+    if math.isnan(budget):
+        raise ValueError("model_budget must be a number of bytes; got nan")
+    return unbounded() if budget == math.inf else budget
 
 
 class SegmentModel:
@@ -238,6 +332,10 @@ class SegmentModel:
         m = len(self.table.cuts)
         return float(self.table.stored[0, 0, m - 1] + self.table.transient[0, 0, m - 1])
 
+    def checked_budget(self, model_budget) -> float:
+        """`check_model_budget` with +inf read as this model's unrematerialized peak."""
+        return check_model_budget(model_budget, self.no_remat_peak)
+
     def min_memory_segments(self) -> Segments:
         """The segmentation with the smallest modelled peak (`min_memory`)."""
         if self._min_segs is None:
@@ -254,7 +352,8 @@ class SegmentModel:
     def cheapest_segments(self, model_budget: float) -> tuple[float, Segments] | None:
         """(cost, segments) of the lowest cost (`SegmentTable.cost`: FLOPs, with offload
         transfers) whose modelled peak is <= `model_budget` bytes, or None. `within_budget`,
-        corrected for its memory buckets."""
+        corrected for its memory buckets. Raises as `checked_budget`."""
+        model_budget = self.checked_budget(model_budget)
         t = self.table
         found = within_budget(t, model_budget)
         if found is None:
@@ -274,7 +373,7 @@ class SegmentModel:
                 if not optimistic.cost[level] < best_cost:
                     break
                 again = optimistic.plan_at(level)
-                fits = _exact_peak(t, again[1]) <= model_budget
+                fits = exact_peak(t, again[1]) <= model_budget
                 if level == GRID:
                     tops[-1] = fits
                 if fits:
@@ -288,10 +387,11 @@ class SegmentModel:
                 again = within_budget(t, model_budget * (1 + inflate))
                 if again is None or again[0] >= best_cost:
                     continue
-                if _exact_peak(t, again[1]) <= model_budget:
+                if exact_peak(t, again[1]) <= model_budget:
                     candidates.append(again)
                     break
-        return min(candidates, key=lambda c: c[0])
+        cost, segs = min(candidates, key=lambda c: c[0])
+        return cost, absorb_free_checkpoints(t, segs, model_budget)
 
     def cheapest_plan(self, model_budget: float, solver: str) -> Plan | None:
         """`cheapest_segments` as a `Plan` labelled `solver`, or None. Deterministic (no time

@@ -218,9 +218,11 @@ class SaveSetPricer:
     def path_cost(self, pieces: Pieces) -> tuple[float, float]:
         """(modelled peak in bytes, recompute FLOPs) of a path `[(start, end, saved or None
         for kept)]` by the segment model's peak formula `max_i (sum_{j <= i} stored_j +
-        transient_i)`. Raises ValueError when the pieces do not tile `[0, num_nodes)`."""
+        transient_i)`, a run of adjacent kept pieces priced as the one kept segment the plan
+        makes of it (`merge_kept_pieces`). Raises ValueError when the pieces do not tile
+        `[0, num_nodes)`."""
         pos, running, peak, flops = 0, 0.0, 0.0, 0.0
-        for start, end, saved in pieces:
+        for start, end, saved in merge_kept_pieces(pieces):
             if start != pos:
                 raise ValueError(f"pieces: segment [{start}, {end}) does not start at {pos}")
             c = self.piece(start, end, saved)
@@ -233,22 +235,29 @@ class SaveSetPricer:
         return peak, flops
 
 
+def merge_kept_pieces(pieces: Pieces) -> Pieces:
+    """`pieces` with each run of adjacent kept pieces (`saved` None) made one: no checkpoint
+    lies between them, so the program runs them as one kept segment (the segment model's
+    `merge_kept` for value-id paths)."""
+    out: Pieces = []
+    for start, end, saved in pieces:
+        if saved is None and out and out[-1][2] is None and out[-1][1] == start:
+            out[-1] = (out[-1][0], end, None)
+        else:
+            out.append((start, end, saved))
+    return out
+
+
 def pieces_plan(pricer: SaveSetPricer, pieces: Pieces, solver: str, recompute_flops: float) -> Plan:
     """A priced path as a `Plan` labelled `solver`: checkpointed pieces as policy "names"
-    segments saving their value ids, adjacent kept pieces merged, the predicted bytes and
-    FLOPs of each segment and of the plan from `pricer` (`recompute_flops`: the plan's
-    objective as its planner states it)."""
+    segments saving their value ids, adjacent kept pieces merged (`merge_kept_pieces`), the
+    predicted bytes and FLOPs of each segment and of the plan from `pricer`
+    (`recompute_flops`: the plan's objective as its planner states it)."""
     g, out, running, peak = pricer.graph, [], 0.0, 0.0
-    for start, end, saved in pieces:
+    for start, end, saved in merge_kept_pieces(pieces):
         c = pricer.piece(start, end, saved)
         running += c.stored
         peak = max(peak, running + c.transient)
-        if saved is None and out and out[-1].policy == KEEP:
-            prev = out[-1]
-            prev.end = end
-            prev.stored_bytes += int(c.stored)
-            prev.transient_bytes = max(prev.transient_bytes, int(c.transient))
-            continue
         policy = KEEP if saved is None else SAVE_NAMES
         out.append(
             Segment(start, end, policy, list(saved or ()), int(c.stored), int(c.transient), c.flops)

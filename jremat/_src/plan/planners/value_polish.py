@@ -33,7 +33,12 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from jremat._src.plan.planners.save_sets import Pieces, SaveSetCost, SaveSetPricer
+from jremat._src.plan.planners.save_sets import (
+    Pieces,
+    SaveSetCost,
+    SaveSetPricer,
+    merge_kept_pieces,
+)
 
 #: How many of the cheapest drops and of the best adds a pair search combines.
 PAIR_WIDTH = 40
@@ -53,8 +58,9 @@ class Polished:
     """The result of `polish`.
 
     Attributes:
-      pieces: the path, the same cuts, save sets changed (sorted value id tuples).
-      peak: its modelled peak in bytes (the segment model's formula).
+      pieces: the path, the same cuts, save sets changed (sorted value id tuples); adjacent
+        kept pieces merged (`save_sets.merge_kept_pieces`).
+      peak: its modelled peak in bytes (the segment model's formula, `path_cost`).
       flops: its recompute FLOPs.
       moves: how many moves (a pair counts once) were taken.
     """
@@ -135,8 +141,15 @@ def polish(
             path, moves = kicked
         taken += 1
     out = [(s, e, None if saved is None else tuple(sorted(saved))) for s, e, saved, _ in path]
-    costs = [c for *_, c in path]
-    return Polished(out, max(_peaks(costs)), float(sum(c.flops for c in costs)), taken)
+    # the moves price adjacent kept pieces apart; the plan runs them as one kept segment, so
+    # the answer is priced so (`path_cost`), and where that is over the budget the path the
+    # polish started from is the answer
+    out = merge_kept_pieces(out)
+    peak, flops = pricer.path_cost(out)
+    if peak > budget:
+        start = [(s, e, None if v is None else tuple(sorted(v))) for s, e, v in pieces]
+        return Polished(merge_kept_pieces(start), *pricer.path_cost(start), 0)
+    return Polished(out, peak, flops, taken)
 
 
 def _moves(pricer: SaveSetPricer, piece, cuts: Sequence[int]) -> list[tuple]:
