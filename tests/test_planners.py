@@ -312,9 +312,10 @@ def test_dtr_per_value_plan_compiles_to_exact_gradients():
 @pytest.mark.parametrize("solver", sorted(PLANNERS))
 def test_planners_reject_a_model_budget_that_is_no_number(programs, solver):
     """Every planner's `plan` names `model_budget` for NaN (a ValueError) and for what is no
-    real number (a TypeError: a string, None, a bool), rather than failing inside its DP
-    (the chain DP raised an IndexError on NaN, greedy returned a plan); +inf plans as the
-    unrematerialized peak: nothing recomputed."""
+    real number (a TypeError: a string, None, a bool, an array of another shape or dtype),
+    rather than failing inside its DP (the chain DP raised an IndexError on NaN, greedy
+    returned a plan); +inf plans as the unrematerialized peak: nothing recomputed; a 0-d
+    NumPy or JAX array plans as its number."""
     _, prog = programs("mlp_chain")
     planner = PLANNERS[solver](prog.graph, max_cuts=16)
     with pytest.raises(ValueError, match="model_budget.*nan"):
@@ -322,6 +323,14 @@ def test_planners_reject_a_model_budget_that_is_no_number(programs, solver):
     for bad in ("1e6", None, True):
         with pytest.raises(TypeError, match="model_budget"):
             planner.plan(bad)
+    for bad in (np.array([1e6]), np.array(True), jax.numpy.array(1e6 + 1j)):
+        with pytest.raises(TypeError, match="model_budget"):
+            planner.plan(bad)
     unbounded = planner.plan(float("inf"))
     assert unbounded is not None and not unbounded.recompute_flops
+    assert planner.plan(10**400).segments == unbounded.segments  # beyond float: unbounded
     assert planner.plan(np.float32(-1.0)) is None
+    # a 0-d array (NumPy's or JAX's) is its number
+    assert planner.plan(jax.numpy.asarray(np.inf)).segments == unbounded.segments
+    assert planner.model.checked_budget(np.array(1234.5)) == 1234.5
+    assert planner.model.checked_budget(jax.numpy.asarray(1024, dtype=jax.numpy.int32)) == 1024.0

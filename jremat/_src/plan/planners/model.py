@@ -264,20 +264,33 @@ def _walk(choice, m: int) -> Segments:
 
 
 def check_model_budget(model_budget, unbounded: Callable[[], float]) -> float:
-    """A planner's `model_budget` (bytes) as a float; +inf as `unbounded()` (the
-    unrematerialized peak: no plan within an infinite budget is cheaper than recomputing
-    nothing).
+    """A planner's `model_budget` (bytes) as a float: a Python or NumPy real number, or a
+    0-d NumPy or JAX array of one; +inf (an int too large for a float included) as
+    `unbounded()` (the unrematerialized peak: no plan within an infinite budget is cheaper
+    than recomputing nothing).
 
     Raises:
-      TypeError: not a real number (a bool, None or a string included).
+      TypeError: not a real number (a bool, None, a string, an array of another shape or
+        dtype included).
       ValueError: NaN.
     """
-    if isinstance(model_budget, bool) or not isinstance(model_budget, numbers.Real):
+    if isinstance(model_budget, bool | np.bool_):
+        budget = None
+    elif isinstance(model_budget, numbers.Real):
+        try:
+            budget = float(model_budget)
+        except OverflowError:  # an int beyond float's range
+            budget = math.inf if model_budget > 0 else -math.inf
+    elif hasattr(model_budget, "__array__") and np.ndim(model_budget) == 0:
+        value = np.asarray(model_budget)
+        budget = float(value) if value.dtype.kind in "iuf" else None
+    else:
+        budget = None
+    if budget is None:
         raise TypeError(
-            "model_budget must be a number of bytes (an int or float); got "
-            f"{type(model_budget).__name__} {model_budget!r}"
+            "model_budget must be a number of bytes (an int or float, or a 0-d array of "
+            f"one); got {type(model_budget).__name__} {model_budget!r}"
         )
-    budget = float(model_budget)
     if math.isnan(budget):
         raise ValueError("model_budget must be a number of bytes; got nan")
     return unbounded() if budget == math.inf else budget
