@@ -91,6 +91,8 @@ class MILPPlanner(OnSegmentModel):
         from scipy.sparse import lil_matrix
 
         model_budget = self.model.checked_budget(model_budget)
+        if model_budget <= 0:  # the program's bytes are in units of it
+            return None
 
         t = self.model.table
         m, K = len(t.cuts), len(t.options)
@@ -107,7 +109,10 @@ class MILPPlanner(OnSegmentModel):
         if not edges:
             return None
         E = len(edges)
-        nvar = E + m  # x per edge, then S per cut
+        # x per edge, then S per cut: bytes stored before the cut over the budget (rows of
+        # order 1: in bytes, HiGHS's absolute tolerances misjudged programs of ~1e11 bytes at a
+        # budget equal to a plan's peak, returning None or a costlier plan)
+        nvar = E + m
         cost = np.zeros(nvar)
         cost[:E] = [t.cost[k, a, b] for k, a, b in edges]
         rows = E + 3 * m
@@ -115,8 +120,8 @@ class MILPPlanner(OnSegmentModel):
         lo, hi = np.full(rows, -highspy.kHighsInf), np.zeros(rows)
         r = 0
         for i, (k, a, b) in enumerate(edges):
-            A[r, E + a], A[r, i] = 1.0, t.stored[k, a, b] + t.transient[k, a, b]
-            hi[r] = model_budget  # S[a] + (stored + transient) x <= B
+            A[r, E + a], A[r, i] = 1.0, (t.stored[k, a, b] + t.transient[k, a, b]) / model_budget
+            hi[r] = 1.0  # S[a] + (stored + transient) x <= B, in units of B
             r += 1
         ends_by = [[] for _ in range(m)]
         for i, (k, a, b) in enumerate(edges):
@@ -125,7 +130,7 @@ class MILPPlanner(OnSegmentModel):
             A[r, E + cut] = 1.0
             for b in range(cut + 1):
                 for i, st in ends_by[b]:
-                    A[r, i] -= st
+                    A[r, i] -= st / model_budget
             lo[r] = hi[r] = 0.0
             r += 1
         for cut in range(m):  # flow: out - in = 1 at the source, -1 at the sink, else 0
@@ -142,7 +147,7 @@ class MILPPlanner(OnSegmentModel):
                     A[r, i] = 1.0
             hi[r] = 1.0
             r += 1
-        upper = np.concatenate([np.ones(E), np.full(m, model_budget)])
+        upper = np.concatenate([np.ones(E), np.ones(m)])
         upper[E] = 0.0  # nothing is stored before the first cut
         csc = A.tocsc()
         lp = highspy.HighsLp()
@@ -181,19 +186,29 @@ class MILPPlanner(OnSegmentModel):
             return None
         self.last_gap = float(info.mip_gap)
         self.last_objective = float(cost @ values)
-        chosen = [edges[i] for i in range(E) if values[i] > 0.5]
-        by_start = {a: (k, b) for k, a, b in chosen}
-        segs, a = [], 0
-        while a < m - 1:
-            k, b = by_start[a]
-            segs.append((a, b, t.options[k]))
-            a = b
+        segs = self._path(values, edges)
+        if exact_peak(t, segs) > model_budget:
+            # within HiGHS's feasibility tolerance but over the budget in bytes
+            if start is None:
+                return None
+            segs, self.last_objective = self._path(start, edges), float(cost @ start)
         plan = self.model.to_plan(segs, self.name)
         plan.notes.append(
             f"milp: objective {self.last_objective:.6g} FLOPs, optimality gap "
             f"{self.last_gap:.3g} ({h.modelStatusToString(h.getModelStatus())})"
         )
         return plan
+
+    def _path(self, values: np.ndarray, edges) -> Segments:
+        """The segments a solution's edge variables take, from the first cut to the last."""
+        t = self.model.table
+        by_start = {a: (k, b) for i, (k, a, b) in enumerate(edges) if values[i] > 0.5}
+        segs, a = [], 0
+        while a < len(t.cuts) - 1:
+            k, b = by_start[a]
+            segs.append((a, b, t.options[k]))
+            a = b
+        return segs
 
     def _warm_start(self, edges, model_budget: float) -> np.ndarray | None:
         """The best heuristic plan (the model's DP, then `incumbents`) as the MILP's first
@@ -217,11 +232,12 @@ class MILPPlanner(OnSegmentModel):
                 if i is None:
                     break
                 x[i] = 1.0
-                x[len(edges) + a : len(edges) + b] = running  # S at the cuts inside it
+                # S at the cuts inside it, in units of the budget (as the program's rows)
+                x[len(edges) + a : len(edges) + b] = running / model_budget
                 running += t.stored[k, a, b]
                 cost += t.cost[k, a, b]
             else:
-                x[-1] = running
+                x[-1] = running / model_budget
                 if cost < best_cost and exact_peak(t, segs) <= model_budget:
                     best, best_cost = x, cost
         return best
