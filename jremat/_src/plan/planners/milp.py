@@ -141,12 +141,11 @@ class MILPPlanner(OnSegmentModel):
                     A[r, i] -= 1.0
             lo[r] = hi[r] = 1.0 if cut == 0 else (-1.0 if cut == m - 1 else 0.0)
             r += 1
-        for cut in range(m):  # at most one kept segment ends or starts at each cut
-            for i, (k, a, b) in enumerate(edges):
-                if k == 0 and cut in (a, b):
-                    A[r, i] = 1.0
-            hi[r] = 1.0
-            r += 1
+        # at most one kept segment ends or starts at each cut: row r + c for cut c
+        for i, (k, a, b) in enumerate(edges):
+            if k == 0:
+                A[r + a, i] = A[r + b, i] = 1.0
+        hi[r : r + m] = 1.0
         upper = np.concatenate([np.ones(E), np.ones(m)])
         upper[E] = 0.0  # nothing is stored before the first cut
         csc = A.tocsc()

@@ -268,8 +268,12 @@ class PerValueMILP:
                     terms += [(x, -1.0)] + ([] if y is None else [(y, -1.0)])
             want = 1.0 if c == 0 else (-1.0 if c == m - 1 else 0.0)
             row(terms, want, want)
-        for c in range(1, m - 1):  # at most one kept segment ends or starts at each cut
-            row([(x, 1.0) for a, b, x, *_ in edges if c in (a, b)], -inf, 1.0)
+        kept_at: dict[int, list[tuple[int, float]]] = {c: [] for c in range(1, m - 1)}
+        for a, b, x, *_ in edges:
+            for c in (a, b):
+                kept_at.get(c, []).append((x, 1.0))
+        for terms in kept_at.values():  # at most one kept segment ends or starts at each cut
+            row(terms, -inf, 1.0)
 
         nvar, nrow = len(cols_cost), len(row_lo)
         A = coo_matrix((rows_v, (rows_i, rows_j)), shape=(nrow, nvar)).tocsc()
