@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
-# One prepared run on a lent GPU machine (no network there): the plan-cost benchmark (best-first
-# search, then the full search alone as "before" on GPT-2) and the device benchmark, each under
-# its own time limit so that one slow part cannot take the others' time.
+# One prepared run on a lent GPU machine (no network there): the device benchmark (its results
+# rewritten after every row), then the plan-cost benchmark (the default search, then the full
+# search alone on GPT-2), each under its own time limit so that one slow part cannot take the
+# others' time. On an H200 the default sizes need more than a 15-minute lease: the first row
+# alone took 172 s (benchmarks/results/gpu_h200.md); prefer device_policies.sh there.
 #
 #   bash benchmarks/device_session.sh OUT_DIR
 #
@@ -23,10 +25,10 @@ export PYTHONUNBUFFERED=1
   nproc
   python3 -c "import jax, jaxlib; print(jax.__version__, jaxlib.__version__, jax.devices())"
 } 2>&1 | tee "$out/machine.txt"
-timeout "${PLAN_COST_S:-200}" python3 benchmarks/plan_cost.py --models gpt2:6,mlp,scan:6 \
+timeout "${GPU_S:-300}" python3 benchmarks/gpu.py --runs 5 --out "$out" 2>&1 | tee "$out/gpu.log"
+timeout "${PLAN_COST_S:-170}" python3 benchmarks/plan_cost.py --models gpt2:6,mlp,scan:6 \
   --json "$out/plan_cost_gpu.jsonl" 2>&1 | tee "$out/plan_cost_gpu.log"
-timeout "${FULL_SEARCH_S:-90}" python3 benchmarks/plan_cost.py --models gpt2:6 --full-search \
+timeout "${FULL_SEARCH_S:-60}" python3 benchmarks/plan_cost.py --models gpt2:6 --full-search \
   --no-warm --json "$out/plan_cost_gpu_full_search.jsonl" 2>&1 |
   tee "$out/plan_cost_gpu_full_search.log"
-timeout "${GPU_S:-240}" python3 benchmarks/gpu.py --runs 5 --out "$out" 2>&1 | tee "$out/gpu.log"
 exit 0

@@ -45,6 +45,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 SIZES = {
     # n_layer, n_embd, n_head, seq_len, batch for the timing runs
     "default": dict(n_layer=12, n_embd=768, n_head=12, seq_len=1024, batch=16),
+    "small": dict(n_layer=6, n_embd=512, n_head=8, seq_len=512, batch=8),
     "tiny": dict(n_layer=4, n_embd=64, n_head=2, seq_len=64, batch=4),
 }
 POLICIES = (
@@ -161,60 +162,17 @@ def largest_batch(policy: str, size: dict, cap: int, limit: int = 1 << 16) -> in
     return best if fits(policy, size, best, cap) else 0
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--size", default="default", choices=sorted(SIZES))
-    ap.add_argument(
-        "--cap",
-        default=None,
-        help='footprint cap, e.g. "40GiB" (default: 1/4 of '
-        "the device's free memory, or 64MiB on CPU)",
-    )
-    ap.add_argument("--runs", type=int, default=10)
-    ap.add_argument("--policies", default=",".join(POLICIES))
-    ap.add_argument("--out", default=os.path.join(HERE, "results"))
-    args = ap.parse_args(argv)
-    size = SIZES[args.size]
-    platform = jax.devices()[0].platform
-    if args.cap is None:
-        cap = parse_budget("auto").footprint_bytes // 4 if platform != "cpu" else 64 * 2**20
-    else:
-        cap = parse_budget(args.cap).footprint_bytes
-        if cap is None:
-            raise SystemExit(f"--cap must be a size such as 40GiB, got {args.cap!r}")
-    policies = args.policies.split(",")
-    t0 = time.perf_counter()
-    loss, params, tokens = gpt2(size, size["batch"])
-    rows = []
-    for policy in policies:
-        row = time_policy(policy, loss, params, tokens, args.runs)
-        row["largest_batch"] = (
-            largest_batch(policy, size, cap) if policy in BATCH_POLICIES else None
-        )
-        rows.append(row)
-        print(row, flush=True)
-    if "auto" in BATCH_POLICIES:
-        rows.append(
-            {
-                "policy": "auto (budget = the cap)",
-                "temp_bytes": None,
-                "footprint_bytes": None,
-                "flops": None,
-                "step_seconds": None,
-                "peak_growth_bytes": None,
-                "largest_batch": largest_batch("auto", size, cap),
-            }
-        )
+def write_results(rows: list[dict], out: str, size: dict, cap: int, seconds: float) -> list[str]:
+    """(Re)write gpu.csv and gpu.md: after every row, so that a run cut short keeps its rows."""
     base = rows[0]
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "gpu.csv"), "w", newline="") as f:
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, "gpu.csv"), "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=list(rows[0]))
         w.writeheader()
         w.writerows(rows)
     mib = 2**20
     md = [
-        f"# Device benchmark ({jax.__version__}, {jax.devices()[0].device_kind}, "
-        f"{time.perf_counter() - t0:.0f} s)",
+        f"# Device benchmark ({jax.__version__}, {jax.devices()[0].device_kind}, {seconds:.0f} s)",
         "",
         f"GPT-2 {size['n_layer']} layers, d={size['n_embd']}, batch {size['batch']} x "
         f"{size['seq_len']} tokens; largest batch under a {cap / mib:,.0f} MiB footprint cap.",
@@ -233,10 +191,62 @@ def main(argv=None) -> int:
             f"{100 * (r['flops'] / base['flops'] - 1):.1f}% | {1e3 * r['step_seconds']:.2f} | "
             f"{peak} | {r['largest_batch'] if r['largest_batch'] is not None else '-'} |"
         )
-    if platform == "cpu":
+    if jax.devices()[0].platform == "cpu":
         md += ["", "CPU run: step times are not representative; peak memory is not reported."]
-    with open(os.path.join(args.out, "gpu.md"), "w") as f:
+    with open(os.path.join(out, "gpu.md"), "w") as f:
         f.write("\n".join(md) + "\n")
+    return md
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--size", default="default", choices=sorted(SIZES))
+    ap.add_argument(
+        "--cap",
+        default=None,
+        help='footprint cap, e.g. "40GiB" (default: 1/4 of '
+        "the device's free memory, or 64MiB on CPU)",
+    )
+    ap.add_argument("--runs", type=int, default=10)
+    ap.add_argument("--no-largest-batch", action="store_true", help="skip the largest-batch search")
+    ap.add_argument("--policies", default=",".join(POLICIES))
+    ap.add_argument("--out", default=os.path.join(HERE, "results"))
+    args = ap.parse_args(argv)
+    size = SIZES[args.size]
+    platform = jax.devices()[0].platform
+    if args.cap is None:
+        cap = parse_budget("auto").footprint_bytes // 4 if platform != "cpu" else 64 * 2**20
+    else:
+        cap = parse_budget(args.cap).footprint_bytes
+        if cap is None:
+            raise SystemExit(f"--cap must be a size such as 40GiB, got {args.cap!r}")
+    policies = args.policies.split(",")
+    t0 = time.perf_counter()
+    loss, params, tokens = gpt2(size, size["batch"])
+    rows = []
+    for policy in policies:
+        row = time_policy(policy, loss, params, tokens, args.runs)
+        row["largest_batch"] = (
+            largest_batch(policy, size, cap)
+            if policy in BATCH_POLICIES and not args.no_largest_batch
+            else None
+        )
+        rows.append(row)
+        print(row, flush=True)
+        write_results(rows, args.out, size, cap, time.perf_counter() - t0)
+    if "auto" in BATCH_POLICIES and not args.no_largest_batch:
+        rows.append(
+            {
+                "policy": "auto (budget = the cap)",
+                "temp_bytes": None,
+                "footprint_bytes": None,
+                "flops": None,
+                "step_seconds": None,
+                "peak_growth_bytes": None,
+                "largest_batch": largest_batch("auto", size, cap),
+            }
+        )
+    md = write_results(rows, args.out, size, cap, time.perf_counter() - t0)
     print("\n".join(md))
     return 0
 

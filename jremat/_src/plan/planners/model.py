@@ -216,13 +216,32 @@ def exact_peak(t: SegmentTable, segs: Segments) -> float:
 def merge_kept(segs: Segments) -> Segments:
     """`segs` with every run of adjacent kept segments made one (the plan `SegmentModel.to_plan`
     makes of them, and the form the DPs return: see the note above `_bucket_dp`)."""
-    out: Segments = []
-    for a, b, option in segs:
-        if option == KEEP_OPTION and out and out[-1][2] == KEEP_OPTION:
-            out[-1] = (out[-1][0], b, KEEP_OPTION)
+    return _merge_runs(
+        [(a, b, option) for a, b, option in segs],
+        lambda seg: seg[2] == KEEP_OPTION,
+        lambda prev, seg: (prev[0], seg[1], KEEP_OPTION),
+    )
+
+
+def _merge_runs(items: list, kept: Callable, join: Callable) -> list:
+    """`items` with every run of adjacent items that are `kept` folded into one, left to right,
+    by `join(merged so far, next)` (`merge_kept`, and `SegmentModel.to_plan` on its `Segment`s)."""
+    out: list = []
+    for item in items:
+        if out and kept(item) and kept(out[-1]):
+            out[-1] = join(out[-1], item)
         else:
-            out.append((a, b, option))
+            out.append(item)
     return out
+
+
+def _join_kept(prev: Segment, seg: Segment) -> Segment:
+    """Two adjacent kept `Segment`s as one (`SegmentModel.to_plan`): their stores summed, the
+    larger transient."""
+    prev.end = seg.end
+    prev.stored_bytes += seg.stored_bytes
+    prev.transient_bytes = max(prev.transient_bytes, seg.transient_bytes)
+    return prev
 
 
 def absorb_free_checkpoints(t: SegmentTable, segs: Segments, limit: float) -> Segments:
@@ -428,12 +447,6 @@ class SegmentModel:
             flops += fl
             start, end = t.cuts[a], t.cuts[b]
             if option == KEEP_OPTION:
-                if out and out[-1].policy == KEEP:
-                    prev = out[-1]
-                    prev.end = end
-                    prev.stored_bytes += int(stored)
-                    prev.transient_bytes = max(prev.transient_bytes, int(trans))
-                    continue
                 out.append(Segment(start, end, KEEP, [], int(stored), int(trans), 0.0))
                 continue
             saved = saved_values(graph, start, end, option)
@@ -443,7 +456,7 @@ class SegmentModel:
                 host += t.offloaded[k, a, b]
             out.append(seg)
         plan = Plan(
-            out,
+            _merge_runs(out, lambda seg: seg.policy == KEEP, _join_kept),
             graph.fingerprint,
             graph.num_nodes,
             solver=solver,
