@@ -43,6 +43,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -92,8 +93,9 @@ def _search_mode() -> None:
 FULL_SEARCH_ENV = "JREMAT_BENCH_FULL_SEARCH"
 
 
-def _cell(name: str, budgets: list[float], plan_dir: str) -> list[dict]:
-    """Measure one model in this process: the plain step, then auto at each budget."""
+def _cell(name: str, budgets: list[float], plan_dir: str) -> Iterator[dict]:
+    """Measure one model in this process: the plain step, then auto at each budget (a row per
+    budget as soon as it is measured)."""
     import jax
 
     _search_mode()
@@ -129,17 +131,16 @@ def _cell(name: str, budgets: list[float], plan_dir: str) -> list[dict]:
 
     plain = first_call(loss)
     base = jremat.measure(loss, params, batch)
-    rows = []
     for b in budgets:
         spans.clear()
         wrapped = jremat.auto(loss, budget=b, plan_dir=os.path.join(plan_dir, str(b)))
         try:
             seconds = first_call(wrapped)
         except jremat.InfeasibleBudgetError as e:
-            rows.append({"model": name, "budget": b, "infeasible": str(e)[:80]})
+            yield {"model": name, "budget": b, "infeasible": str(e)[:80]}
             continue
         (p,) = wrapped.plans.values()
-        rows.append(
+        yield (
             {
                 "model": name,
                 "budget": b,
@@ -154,11 +155,11 @@ def _cell(name: str, budgets: list[float], plan_dir: str) -> list[dict]:
                 "solver": p.solver,
             }
         )
-    return rows
 
 
-def _warm(name: str, budgets: list[float], plan_dir: str) -> list[dict]:
-    """A new process with the plans on disk: auto's first call over the plain step's."""
+def _warm(name: str, budgets: list[float], plan_dir: str) -> Iterator[dict]:
+    """A new process with the plans on disk: auto's first call over the plain step's (a row
+    per budget as soon as it is measured)."""
     import jax
 
     _search_mode()
@@ -173,7 +174,6 @@ def _warm(name: str, budgets: list[float], plan_dir: str) -> list[dict]:
         return time.perf_counter() - t0
 
     plain = first_call(loss)
-    rows = []
     for b in budgets:
         wrapped = jremat.auto(loss, budget=b, plan_dir=os.path.join(plan_dir, str(b)))
         try:
@@ -181,7 +181,7 @@ def _warm(name: str, budgets: list[float], plan_dir: str) -> list[dict]:
         except jremat.InfeasibleBudgetError:
             continue
         (p,) = wrapped.plans.values()
-        rows.append(
+        yield (
             {
                 "model": name,
                 "budget": b,
@@ -193,7 +193,6 @@ def _warm(name: str, budgets: list[float], plan_dir: str) -> list[dict]:
                 "loads": wrapped.plan_cache.loads,
             }
         )
-    return rows
 
 
 #: The floor columns (row key -> `_verify_seconds`'s `parts`), measured in this order.
@@ -275,16 +274,21 @@ def depth_table(rows: list[dict]) -> str:
 
 
 def _child(mode: str, name: str, budgets: list[float], plan_dir: str) -> list[dict]:
-    out = subprocess.run(
-        [sys.executable, __file__, "--child", mode, name, ",".join(map(str, budgets)), plan_dir],
-        capture_output=True,
-        text=True,
-        check=False,
-    )
-    if out.returncode:
-        print(out.stderr[-3000:], file=sys.stderr)
-        return []
-    return [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
+    """Run `mode` for `name` in a new process; its rows, each also echoed to stderr as it
+    arrives (a run stopped by a time limit keeps the rows measured so far in its log)."""
+    args = [sys.executable, __file__, "--child", mode, name, ",".join(map(str, budgets)), plan_dir]
+    rows = []
+    # stderr to a file: a pipe read only at the end could fill and stall the child
+    with tempfile.TemporaryFile("w+") as err:
+        with subprocess.Popen(args, stdout=subprocess.PIPE, stderr=err, text=True) as proc:
+            for line in proc.stdout:
+                if line.startswith("{"):
+                    rows.append(json.loads(line))
+                    print(f"# {mode}: {line.strip()}", file=sys.stderr, flush=True)
+        if proc.returncode:
+            err.seek(0)
+            print(err.read()[-3000:], file=sys.stderr)
+    return rows
 
 
 def table(rows: list[dict]) -> str:
@@ -329,7 +333,7 @@ def main() -> None:
         mode, name, budgets, plan_dir = sys.argv[2:6]
         fn = {"cold": _cell, "warm": _warm, "depth": _depth}[mode]
         for row in fn(name, [float(b) for b in budgets.split(",")], plan_dir):
-            print(json.dumps(row))
+            print(json.dumps(row), flush=True)
         return
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--full", action="store_true", help="every zoo model and decoder depth")
