@@ -100,7 +100,9 @@ def remat_scan(
     body = eqn.params["jaxpr"]
     if not hasattr(body, "consts"):
         body = ClosedJaxpr(body, [])
-    pol = policies.get(policy) if policy in policies.names() else policies.preset(policy).policy
+    pol = real_residuals_only(
+        policies.get(policy) if policy in policies.names() else policies.preset(policy).policy
+    )
     body_fn = jax.checkpoint(jaxpr_as_fun(body), policy=pol, prevent_cse=False)
     n_consts, n_carry = _compat.scan_partition(eqn)
     consts, carry, xs = (
@@ -193,7 +195,8 @@ def tied_checkpoint(
 
     def bwd(vjp_fn, ct):
         floats = [c for c in jax.tree_util.tree_leaves(ct) if _compat.is_float_dtype(c.dtype)]
-        tie = sum(_one_element(c).astype("float32") for c in floats if c.size) * 0.0
+        # the real part: casting a complex cotangent to float32 is deprecated (then an error)
+        tie = sum(jnp.real(_one_element(c)).astype("float32") for c in floats if c.size) * 0.0
 
         return jax.tree_util.tree_map(lambda r: _tied(r, tie), vjp_fn)(ct)
 
@@ -236,17 +239,57 @@ def _one_element(c: Any) -> Any:
 def segment_policy(seg: Segment) -> Callable[..., Any]:
     """The `jax.checkpoint` policy a checkpointed segment runs under: for policy `"names"`,
     `save_only_these_names` of its saved values, or, when it offloads values,
-    `save_and_offload_only_these_names` (offloaded ones to pinned host memory)."""
+    `save_and_offload_only_these_names` (offloaded ones to pinned host memory); never saving
+    a complex value (`real_residuals_only`)."""
     if seg.policy == SAVE_NAMES and seg.offloaded:
-        return offload_policy(
-            [residual_name(v) for v in seg.saved], [residual_name(v) for v in seg.offloaded]
+        return real_residuals_only(
+            offload_policy(
+                [residual_name(v) for v in seg.saved], [residual_name(v) for v in seg.offloaded]
+            )
         )
     if seg.policy == SAVE_NAMES:
-        return jax.checkpoint_policies.save_only_these_names(*map(residual_name, seg.saved))
+        policy = jax.checkpoint_policies.save_only_these_names(*map(residual_name, seg.saved))
+    elif seg.policy in policies.names():
+        policy = policies.get(seg.policy)
+    else:
+        policy = policies.preset(seg.policy).policy
+    return real_residuals_only(policy)
 
-    if seg.policy in policies.names():
-        return policies.get(seg.policy)
-    return policies.preset(seg.policy).policy
+
+def real_residuals_only(policy: Callable[..., Any]) -> Callable[..., Any]:
+    """`policy`, except that an equation with a complex input or output is not saved: JAX's
+    remat cannot save a complex residual by policy (jax 0.10-0.12 raise `reduce_precision does
+    not accept dtype complex64` for `dots_saveable` on a complex matmul, and for a complex
+    value saved by name), so it is recomputed (`Value.saveable`: the planners price it so)."""
+
+    def real_only(prim: Any, *avals: Any, **params: Any) -> Any:
+        decision = policy(prim, *avals, **params)
+        if decision and (_any_complex(avals) or _any_complex(_out_avals(prim, avals, params))):
+            return False
+        return decision
+
+    return real_only
+
+
+def _any_complex(avals: Any) -> bool:
+    for a in avals:
+        dtype = getattr(a, "dtype", None)
+        try:
+            if dtype is not None and jnp.issubdtype(dtype, jnp.complexfloating):
+                return True
+        except TypeError:  # an extended dtype (PRNG keys): not complex
+            continue
+    return False
+
+
+def _out_avals(prim: Any, avals: Sequence[Any], params: dict) -> list[Any]:
+    """The output avals of `prim` at `avals` (none where its abstract evaluation fails)."""
+    try:
+        out = prim.abstract_eval(*avals, **params)
+    except Exception:  # noqa: BLE001 - a primitive without abstract evaluation: inputs decide
+        return []
+    out = out[0] if isinstance(out, tuple) and len(out) == 2 and isinstance(out[1], set) else out
+    return list(out) if isinstance(out, (list, tuple)) else [out]
 
 
 def run_graph(graph: Graph, plan: Plan, flat_args: Sequence[Any], *, prevent_cse: bool = True):

@@ -50,6 +50,13 @@ class Value:
     jax_dtype: Any = dataclasses.field(default=None, compare=False, repr=False)
 
     @property
+    def saveable(self) -> bool:
+        """Whether a checkpoint policy can save the value: a real floating value. JAX's remat
+        cannot save a complex residual by policy (jax 0.10-0.12 raise `reduce_precision does
+        not accept dtype complex64`), so a checkpointed segment recomputes complex values."""
+        return self.is_float and "complex" not in self.dtype
+
+    @property
     def struct(self) -> jax.ShapeDtypeStruct:
         """The value's global aval, `jax.ShapeDtypeStruct(shape, jax_dtype)` (extended dtypes
         too: built from the dtype object, never its name)."""

@@ -163,7 +163,7 @@ class SaveSetPricer:
                 r = self.res_first.get(o)
                 if r is not None and r < end:
                     internal += g.values[o].nbytes  # produced here, first kept here
-                if g.values[o].is_float and self._is_needed_value(o, end, need):
+                if g.values[o].saveable and self._is_needed_value(o, end, need):
                     candidates.append(o)
         boundary = (
             self._float_cross[start]

@@ -90,7 +90,7 @@ def flops_per_byte(graph: Graph, vid: int) -> float:
 
 
 def _fpb_at_least(tau: float) -> Callable[[Graph, int], bool]:
-    return lambda g, v: g.values[v].is_float and flops_per_byte(g, v) >= tau
+    return lambda g, v: g.values[v].saveable and flops_per_byte(g, v) >= tau
 
 
 #: Thresholds (FLOPs per stored byte) of the per-value save sets: a segment under
@@ -149,7 +149,7 @@ def distinct_options(graph: Graph, options: Sequence[str]) -> list[str]:
     with the number of options)."""
     seen: list[frozenset[int]] = []
     out = []
-    produced = [v.id for v in graph.values if v.producer >= 0 and v.is_float]
+    produced = [v.id for v in graph.values if v.producer >= 0 and v.saveable]
     for name in options:
         pred = SAVE_OPTIONS.get(OFFLOAD_OPTIONS.get(name, name))
         chosen = frozenset(v for v in produced if pred(graph, v)) if pred else None
@@ -311,7 +311,7 @@ def segment_table(
 
         def saved(v: int, pred=pred, cache=saved_cache) -> bool:
             if v not in cache:
-                cache[v] = bool(pred(graph, v))
+                cache[v] = graph.values[v].saveable and bool(pred(graph, v))
             return cache[v]
 
         f = _first_needed(graph, saved, vjp_first)
@@ -357,7 +357,7 @@ def saved_values(graph: Graph, start: int, end: int, option: str) -> list[int]:
         o
         for node in graph.nodes[start:end]
         for o in node.outputs
-        if graph.values[o].is_float and pred(graph, o)
+        if graph.values[o].saveable and pred(graph, o)
     ]
 
 
