@@ -4,7 +4,9 @@ from __future__ import annotations
 
 
 class InfeasibleBudgetError(ValueError):
-    """The budget is below the smallest memory any plan reaches on this program.
+    """The budget is below the smallest memory jremat's plans reach on this program (the
+    plans it compiles whatever the budget; XLA's temp is not monotone in what a plan saves,
+    so another plan may compile a little lower: docs/troubleshooting.md).
 
     Attributes:
       budget: the budget the caller asked for, in the caller's unit.

@@ -842,7 +842,7 @@ def _raise_infeasible(spec: Budget, prog: Program, compiled: list[tuple[Plan, Co
         least = min(least, max(c.temp_bytes, prog.grad_step_temp(p)))
     smallest = spec.in_caller_unit(least, base.temp_bytes, base.fixed_bytes)
     raise InfeasibleBudgetError(
-        f"budget={spec.raw!r} is below what rematerialization can reach for this program: "
+        f"budget={spec.raw!r} is below what jremat's plans reach for this program: "
         f"the smallest reachable budget is {spec.describe(smallest)}; compiled temp "
         f"{least:,} bytes vs {base.temp_bytes:,} unrematerialized. Raise the budget, or cut "
         "activations another way (smaller microbatches: jremat.microbatch).",
