@@ -218,6 +218,27 @@ def test_every_k_schedule_and_linear_lr_scaling_follow_k():
     assert emitted == [-1.0, -1.0, -3.0, -3.0]  # factor k / reference_k
 
 
+@pytest.mark.parametrize("make", [jnp.int32, np.array, np.int64], ids=["jnp", "np-0d", "np"])
+def test_every_k_and_reference_k_as_0d_integer_arrays(make):
+    """`every_k=jnp.int32(2)` (and `reference_k` alike) is the int 2: the same updates."""
+    params = {"w": jnp.zeros(())}
+    emitted = []
+    for every_k, reference_k in ((2, 1), (make(2), make(1))):
+        opt = accumulate(optax.sgd(1.0), every_k, lr_scaling="linear", reference_k=reference_k)
+        state, out = opt.init(params), []
+        for _ in range(4):
+            u, state = opt.update({"w": jnp.ones(())}, state, params)
+            out.append(float(u["w"]))
+        emitted.append(out)
+    assert emitted[0] == emitted[1] == [0.0, -2.0, 0.0, -2.0]
+
+
+def test_every_k_traced_is_refused_by_name():
+    """A traced `every_k` has no value when the optimizer is built: a TypeError naming it."""
+    with pytest.raises(TypeError, match="every_k must be a concrete int"):
+        jax.jit(lambda k: accumulate(optax.sgd(1.0), k).init({"w": jnp.zeros(())}))(2)
+
+
 @pytest.mark.parametrize(
     "rule, k, reference_k, factor, opt_name",
     [
@@ -386,6 +407,9 @@ def test_batch_stats_in_params_warns_once():
         ((0,), {}, ValueError, r"every_k must be a positive int .*got 0"),
         ((-3,), {}, ValueError, r"every_k must be a positive int .*got -3"),
         ((2.0,), {}, TypeError, r"every_k must be a positive int or a callable"),
+        ((jnp.float32(2),), {}, TypeError, r"every_k must be a positive int or a callable"),
+        ((jnp.array([2]),), {}, TypeError, r"every_k must be a positive int or a callable"),
+        ((jnp.int32(0),), {}, ValueError, r"every_k must be a positive int .*got 0"),
         ((True,), {}, TypeError, r"every_k must be a positive int .*got bool"),
         ((lambda s: 2.5,), {}, TypeError, r"must return an integer scalar"),
         ((lambda s: jnp.ones(2, jnp.int32),), {}, TypeError, r"must return an integer scalar"),

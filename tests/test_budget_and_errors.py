@@ -116,6 +116,8 @@ def test_bad_solver_names_solver_and_the_accepted_ones_before_tracing(solver):
         ("max_cuts", 0, ValueError),
         ("max_cuts", -3, ValueError),
         ("max_rounds", True, TypeError),
+        ("max_rounds", jnp.float32(2), TypeError),
+        ("max_rounds", jnp.int32(0), ValueError),
         ("max_rounds", np.True_, TypeError),
         ("max_rounds", 2.0, TypeError),
         ("max_rounds", 0, ValueError),

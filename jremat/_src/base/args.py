@@ -12,18 +12,50 @@ import numpy as np
 from jremat._src.base import compat as _compat
 
 
-def check_count(name: str, value: Any) -> int:
-    """`value` as an int when it is an int >= 1 (Python or NumPy; not a bool).
+def as_int(name: str, value: Any) -> int | None:
+    """`value` as an int when it is an integer: a Python or NumPy int, or a 0-d NumPy or JAX
+    integer array (`jnp.int32(4)`); None for anything else, bools included.
 
     Raises:
-      TypeError: not an int (a bool, float, string, None ...); the message names `name`.
+      TypeError: a traced 0-d integer array (its value is not known while tracing); the
+        message names `name`.
+    """
+    if isinstance(value, (bool, np.bool_)):
+        return None
+    if isinstance(value, numbers.Integral):
+        return int(value)
+    dtype = getattr(value, "dtype", None)
+    if getattr(value, "shape", None) != () or dtype is None:
+        return None
+    try:
+        if not np.issubdtype(dtype, np.integer):
+            return None
+    except TypeError:  # an extended dtype (PRNG keys)
+        return None
+    try:
+        return int(value)
+    except jax.errors.ConcretizationTypeError as e:
+        raise TypeError(
+            f"{name} must be a concrete int, known before tracing; got a traced "
+            f"{type(value).__name__} (pass it as a Python int or a static argument)"
+        ) from e
+
+
+def check_count(name: str, value: Any) -> int:
+    """`value` as an int when it is an int >= 1 (Python or NumPy, or a 0-d integer array:
+    `as_int`; not a bool).
+
+    Raises:
+      TypeError: not an int (a bool, float, string, None ...), or a traced one; the message
+        names `name`.
       ValueError: an int below 1; the message names `name`.
     """
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral):
+    count = as_int(name, value)
+    if count is None:
         raise TypeError(f"{name} must be an int >= 1, got {type(value).__name__} {value!r}")
-    if value < 1:
+    if count < 1:
         raise ValueError(f"{name} must be an int >= 1, got {value!r}")
-    return int(value)
+    return count
 
 
 def check_flag(name: str, value: Any) -> bool:

@@ -106,8 +106,9 @@ def parse_budget(budget: Any) -> Budget:
     Args:
       budget: a float in (0, 1]: a fraction of the unrematerialized program's compiled temp
         bytes; an int > 0: a cap on the compiled footprint (argument + output - alias + temp)
-        in bytes; a string with a unit, e.g. "512MiB", "8GB", "1.5 GiB" (KB/MB/GB powers of
-        1000, KiB/MiB/GiB powers of 1024): a footprint cap; "auto": the device's free memory
+        in bytes; a string with a unit, e.g. "512MiB", "8GB", "1.5 GiB" (KB/MB/GB/TB powers
+        of 1000; KiB/MiB/GiB/TiB, and K/M/G/T alone as in XLA's flags, powers of 1024; B or
+        no unit: bytes; any case): a footprint cap; "auto": the device's free memory
         (on CPU the host's available memory) as a footprint cap.
 
     Returns:

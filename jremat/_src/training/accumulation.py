@@ -21,6 +21,7 @@ import optax
 from optax import MultiStepsState
 
 from jremat._src.base import compat as _compat
+from jremat._src.base.args import as_int
 
 __all__ = [
     "MultiStepsState",
@@ -97,13 +98,13 @@ def _check_every_k(every_k: Any) -> EveryK:
             "every_k must be a positive int or a callable gradient_step -> int; "
             f"got bool {every_k}."
         )
-    if isinstance(every_k, numbers.Integral):
-        if int(every_k) <= 0:
+    if (k := as_int("every_k", every_k)) is not None:
+        if k <= 0:
             raise ValueError(
                 f"every_k must be a positive int (number of micro-steps per optimizer update) "
                 f"or a callable gradient_step -> int; got {every_k}."
             )
-        return int(every_k)
+        return k
     if callable(every_k):
         try:
             out = jax.eval_shape(every_k, jax.ShapeDtypeStruct((), jnp.int32))
@@ -278,12 +279,9 @@ def accumulate(
     acc_dtype = check_float_dtype("accumulator_dtype", accumulator_dtype)
     if lr_scaling is not None and lr_scaling not in _LR_RULES:
         raise ValueError(f"lr_scaling must be None, 'linear' or 'sqrt'; got {lr_scaling!r}.")
-    if (
-        isinstance(reference_k, bool)
-        or not isinstance(reference_k, numbers.Integral)
-        or reference_k <= 0
-    ):
+    if (ref := as_int("reference_k", reference_k)) is None or ref <= 0:
         raise ValueError(f"reference_k must be a positive int; got {reference_k!r}.")
+    reference_k = ref
     if skip_non_finite and should_skip_update_fn is not None:
         raise ValueError(
             "Pass either skip_non_finite=True or should_skip_update_fn, not both "

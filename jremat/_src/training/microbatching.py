@@ -7,7 +7,6 @@ docs/design.md#accumulation-and-microbatching.
 
 from __future__ import annotations
 
-import numbers
 from collections.abc import Callable
 from typing import Any, Literal
 
@@ -15,6 +14,7 @@ import jax
 import jax.numpy as jnp
 from optax import microbatching as omb
 
+from jremat._src.base.args import as_int
 from jremat._src.training.accumulation import check_float_dtype, warn_batch_stats_once
 
 __all__ = ["microbatch"]
@@ -216,12 +216,11 @@ def microbatch(
     """
     if not callable(loss_fn):
         raise TypeError(f"loss_fn must be callable; got {type(loss_fn).__name__}.")
-    if isinstance(num_microbatches, bool) or not isinstance(num_microbatches, numbers.Integral):
+    if (k := as_int("num_microbatches", num_microbatches)) is None:
         raise TypeError(
             f"num_microbatches must be a positive int; got {type(num_microbatches).__name__} "
             f"{num_microbatches!r}."
         )
-    k = int(num_microbatches)
     if k <= 0:
         raise ValueError(
             f"num_microbatches must be a positive int dividing the batch size; got {k}."
