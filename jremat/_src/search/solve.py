@@ -310,6 +310,8 @@ def solve(
         len(cands.stage["rounds"]),
         time.perf_counter() - t0,
     )
+    if cands.best[1] is None and solver in BEST_FIRST_SOLVERS and offload is None:
+        _last_resort(prog, cands, max_cuts)
     best = cands.best
     if best[1] is not None:
         best = _holds_under_grad(prog, target, best, cands.ranked())
@@ -517,6 +519,24 @@ def _choose(
         for candidate in refine.floor_candidates(prog.graph, planner, lowest):
             _floor_plan(prog, found, candidate, "peak segment split")
     return found
+
+
+def _last_resort(prog: Program, found: Candidates, max_cuts: int) -> None:
+    """Where no plan of an exact solver fits: greedy's rounds (`LAST_RESORT_ROUNDS` compiles at
+    most) before `InfeasibleBudgetError`. Near the floor XLA's temp is not monotone in what a
+    plan saves, and greedy orders what to recompute otherwise: on a 3-layer block of matmul,
+    `jnp.sort` and `top_k` (jax 0.12) its plan at 0.7273 of the unrematerialized temp
+    compiled to 0.7197, where the chain DP's plans stated 0.7347 as the floor. Target-driven,
+    so not part of the stated floor (a new call at that floor finds it again without them)."""
+    found.log.append("no plan of the exact solver fits: greedy's rounds follow")
+    greedy = prog.planner("greedy", max_cuts, None)
+    _rounds(prog, greedy, _calibrate(prog, greedy), found, LAST_RESORT_ROUNDS, None)
+    for p, c in found.stage["rounds"]:
+        found.offer(p, c, copied=True)
+
+
+#: Greedy's rounds `_last_resort` compiles at most.
+LAST_RESORT_ROUNDS = 2
 
 
 def _floor_plan(prog: Program, found: Candidates, candidate: Plan | None, label: str) -> None:
