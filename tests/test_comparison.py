@@ -83,6 +83,23 @@ def test_infeasible_row(result):
     assert "below the reachable range" in bad.note and bad.note.endswith("1.0 is no remat)")
 
 
+def test_a_plan_made_for_another_program_is_refused_naming_its_row(work):
+    """A `(label, Plan)` row is checked against the program as `rematerialize` checks it
+    (helper-4: another program's plan raised a bare KeyError, or made a row silently)."""
+    graph = jremat.trace(work.loss, work.params, work.batch)
+    plan = recipe_plan(graph, "dots_saveable", "sqrt_n")
+    plan.fingerprint = "0" * 16  # as a plan of another program carries
+    with pytest.raises(jremat.PlanMismatchError, match="fn \\(the row 'theirs'\\) traces to"):
+        jremat.compare(
+            work.loss,
+            work.params,
+            work.batch,
+            policies=[("theirs", plan)],
+            budgets=(0.5,),
+            progress=False,
+        )
+
+
 def test_presets_plans_and_builtins_keyword(work):
     graph = jremat.trace(work.loss, work.params, work.batch)
     mine = recipe_plan(graph, "dots_saveable", "sqrt_n")

@@ -301,6 +301,25 @@ def test_an_unreadable_saved_plan_is_ignored_with_a_warning_naming_it(tmp_path):
     assert jremat.Plan.load(path).to_json() == saved.to_json()  # planned again and saved
 
 
+def test_a_saved_plan_naming_values_its_program_lacks_is_ignored_with_a_warning(tmp_path):
+    """A file edited or damaged in a value id (the loader cannot judge an id alone): the
+    call warns and plans again, as for an unreadable file (helper-4: it raised from inside
+    the user's jit)."""
+    import json
+
+    first = jremat.auto(Block, budget=0.5, verify=False, plan_dir=tmp_path)
+    _trace(first)
+    (path,) = tmp_path.glob("jremat-*.json")
+    d = json.loads(path.read_text())
+    seg = next(s for s in d["segments"] if s["policy"] != "keep")
+    seg["policy"], seg["saved"] = "names", [999_999]
+    path.write_text(json.dumps(d))
+    second = jremat.auto(Block, budget=0.5, verify=False, plan_dir=tmp_path)
+    with pytest.warns(RuntimeWarning, match=f"saved plan {path} does not fit its program"):
+        _trace(second)
+    assert second.plan_cache.solves == 1 and second.plan_cache.loads == 0
+
+
 _WARM_MODEL = """
 import jax, jax.numpy as jnp
 ws = [(jnp.full((16, 64), 0.02 * (i + 1)), jnp.full((64, 16), 0.03)) for i in range(3)]

@@ -24,6 +24,7 @@ from jremat._src.base.batching import Batching
 from jremat._src.base.budget import Budget, parse_budget
 from jremat._src.plan.offload import parse_offload
 from jremat._src.plan.plan import Plan
+from jremat._src.plan.rewrite import check_value_ids
 from jremat._src.search.blocks import plan_block
 from jremat._src.search.solve import check_solver, plan
 from jremat._src.trace.graph import Graph, signature
@@ -262,6 +263,16 @@ class PlanCache:
             warnings.warn(
                 f"jremat: saved plan {path} was made for program {p.fingerprint} "
                 f"({p.num_nodes} equations), not {graph.fingerprint} ({graph.num_nodes}); "
+                "solving again and overwriting it",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+            return None
+        try:  # a file edited or damaged in a field the loader cannot judge alone
+            check_value_ids(graph, p)
+        except ValueError as e:
+            warnings.warn(
+                f"jremat: saved plan {path} does not fit its program ({e}); "
                 "solving again and overwriting it",
                 RuntimeWarning,
                 stacklevel=3,

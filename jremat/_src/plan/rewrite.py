@@ -552,15 +552,7 @@ def rematerialize(
         graph = graphs.get(key)
         if graph is None:
             graph = build_graph(fn, args)
-            if graph.fingerprint != plan.fingerprint:
-                raise PlanMismatchError(
-                    f"this plan was made for program {plan.fingerprint} ({plan.num_nodes} "
-                    f"equations) but the call traces to {graph.fingerprint} ({graph.num_nodes} "
-                    "equations): shapes, dtypes or code (its equations or their wiring) changed, "
-                    "or the plan was saved by jremat 0.1, whose fingerprints left out the wiring. "
-                    "Make a new plan for these "
-                    "arguments (jremat.plan), or use jremat.auto, which re-plans per signature."
-                )
+            check_plan_program(graph, plan)
             if has_aux:
                 check_loss_output(graph.out_shape, has_aux=True)
             if not holds_tracers(graph):
@@ -569,6 +561,26 @@ def rematerialize(
 
     rematerialized.plan = plan  # type: ignore[attr-defined]
     return rematerialized
+
+
+def check_plan_program(graph: Graph, plan: Plan, what: str = "the call") -> None:
+    """Check `plan` was made for the program `graph` (its `Graph.fingerprint`) and names only
+    value ids it has (`check_value_ids`).
+
+    Raises:
+      PlanMismatchError: the fingerprints differ; the message names `what` traced to which.
+      ValueError: a segment saves or offloads an id the graph lacks.
+    """
+    if graph.fingerprint != plan.fingerprint:
+        raise PlanMismatchError(
+            f"this plan was made for program {plan.fingerprint} ({plan.num_nodes} "
+            f"equations) but {what} traces to {graph.fingerprint} ({graph.num_nodes} "
+            "equations): shapes, dtypes or code (its equations or their wiring) changed, "
+            "or the plan was saved by jremat 0.1, whose fingerprints left out the wiring. "
+            "Make a new plan for these "
+            "arguments (jremat.plan), or use jremat.auto, which re-plans per signature."
+        )
+    check_value_ids(graph, plan)
 
 
 def graph_function(graph: Graph, plan: Plan, *, prevent_cse: bool = True) -> Callable[..., Any]:

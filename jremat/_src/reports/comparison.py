@@ -30,6 +30,7 @@ from jremat._src.base.errors import InfeasibleBudgetError
 from jremat._src.compile.program import Program
 from jremat._src.plan.plan import Plan
 from jremat._src.plan.recipes import ANCHOR_RECIPES, recipe_plan
+from jremat._src.plan.rewrite import check_plan_program
 from jremat._src.reports.measure import median_step_seconds
 from jremat._src.reports.pareto import pareto_front
 from jremat._src.reports.plot import plot_comparison
@@ -528,6 +529,8 @@ def compare(
     for job in jobs:
         if job.recipe is not None:
             job.plan = recipe_plan(prog.graph, *job.recipe)
+        elif job.plan is not None:  # a (label, Plan) pair: made for this program?
+            check_plan_program(prog.graph, job.plan, f"fn (the row {job.label!r})")
     n_budgets = len(DEFAULT_BUDGETS) if specs is None else len(specs)
     total = 1 + len(jobs) + len(solvers) * n_budgets
     bar = _progress(total, progress, what)
