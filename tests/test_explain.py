@@ -127,6 +127,26 @@ def test_explain_nnx_module():
         jremat.explain(Mlp, X)
 
 
+def test_explain_nnx_module_with_batch_norm_in_training_mode():
+    """BatchNorm updates its statistics in the call (helper-4: explain's states were closed
+    over by jax.grad, and flax refused the update, read as "JAX cannot build the backward
+    pass"); `jremat.auto` plans the same module."""
+
+    class Net(nnx.Module):
+        def __init__(self, rngs):
+            self.lins = nnx.List([nnx.Linear(16, 16, rngs=rngs) for _ in range(3)])
+            self.bns = nnx.List([nnx.BatchNorm(16, rngs=rngs) for _ in range(3)])
+
+        def __call__(self, x):
+            for lin, bn in zip(self.lins, self.bns, strict=True):
+                x = x + jnp.tanh(bn(lin(x)))
+            return x
+
+    e = jremat.explain(Net(nnx.Rngs(0)), X, budget=0.9)
+    _check_rows(e)
+    assert e.plan.measured_temp_bytes <= e.plan.budget_temp_bytes
+
+
 def test_summary_of_a_block_plan_states_its_kept_bytes():
     """A Flax block planned as one segment under a built-in policy: no per-segment model
     figures ("-"), and the segment keeps the block's compiled kept bytes."""

@@ -293,9 +293,19 @@ def _nnx_loss(fn, args, kwargs, nnx):
     node_idx = [i for i, x in enumerate(leaves) if nnx_graph.is_graph_node(x)]
     nodes = [leaves[i] for i in node_idx]
     graphdef, params, rest = nnx.split(nodes, nnx.Param, ...)
+    # the states as array leaves, their Variables made inside the traced call: a State passed
+    # whole and not differentiated is closed over by jax.grad, its Variables then belong to
+    # the outer trace and a BatchNorm in training mode may not update them (flax
+    # TraceContextError; helper-4), as `flax_nnx` runs modules
+    p_leaves, p_tree = jax.tree_util.tree_flatten(params)
+    r_leaves, r_tree = jax.tree_util.tree_flatten(rest)
 
-    def call(params, rest, arrays):
-        merged = nnx.merge(graphdef, params, rest)
+    def call(p_leaves, r_leaves, arrays):
+        merged = nnx.merge(
+            graphdef,
+            jax.tree_util.tree_unflatten(p_tree, p_leaves),
+            jax.tree_util.tree_unflatten(r_tree, r_leaves),
+        )
         vals = list(arrays)
         for i, m in zip(node_idx, merged, strict=True):
             vals[i] = m
@@ -303,7 +313,7 @@ def _nnx_loss(fn, args, kwargs, nnx):
         return fn(*a, **k)
 
     arrays = [None if i in node_idx else x for i, x in enumerate(leaves)]
-    return _scalar_or_pairing(call, (params, rest, arrays))
+    return _scalar_or_pairing(call, (p_leaves, r_leaves, arrays))
 
 
 # -- rows ------------------------------------------------------------------------------------
