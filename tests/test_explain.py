@@ -109,6 +109,24 @@ def test_explain_linen_model_as_written():
     assert sum(e.graph.diff_invars) == len(jax.tree_util.tree_leaves(v["params"]))
 
 
+def test_explain_linen_model_with_a_positional_bool_input():
+    """`explain(model, variables, x, False)`: the bool (`train`) is closed over, as
+    `jremat.auto` reads it (helper-4: it was traced, TracerBoolConversionError)."""
+
+    class Net(nn.Module):
+        @nn.compact
+        def __call__(self, x, train):
+            for _ in range(3):
+                x = x + nn.Dropout(0.5, deterministic=not train)(nn.tanh(nn.Dense(16)(x)))
+            return x
+
+    m = Net()
+    v = m.init(KEY, X, False)
+    e = jremat.explain(m, v, X, False, budget=0.9, verify=False, solver="chain")
+    _check_rows(e)
+    assert sum(e.graph.diff_invars) == len(jax.tree_util.tree_leaves(v["params"]))
+
+
 def test_explain_nnx_module():
     class Mlp(nnx.Module):
         def __init__(self, rngs):

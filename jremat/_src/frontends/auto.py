@@ -419,7 +419,7 @@ def _refuse_aux_for_flax(options: AutoOptions, target: Any) -> None:
         )
 
 
-def _is_static_arg(a: Any) -> bool:
+def is_static_arg(a: Any) -> bool:
     """A positional argument traced as a constant: a bool, a Python int, a string, or any value
     with a leaf that is neither an array nor a Python number. A concrete bool or int reaching
     `auto` is what the caller's `jax.jit(..., static_argnums=...)` (or an eager call) gives,
@@ -480,12 +480,12 @@ def _planned_argnums(fn: Any, args: Sequence[Any], argnums: Any) -> Any:
 
 
 def _static_positions(fn: Any, args: Sequence[Any], argnums: Any) -> tuple[int, ...]:
-    """Positions of `args` that are static (`_is_static_arg`).
+    """Positions of `args` that are static (`is_static_arg`).
 
     Raises:
       TypeError: a static argument is unhashable, or is a differentiated one (argnums).
     """
-    static = tuple(i for i, a in enumerate(args) if _is_static_arg(a))
+    static = tuple(i for i, a in enumerate(args) if is_static_arg(a))
     name = getattr(fn, "__name__", "fn")
     diff = set(argnums if isinstance(argnums, (tuple, list)) else (argnums,))
     for i in static:

@@ -18,6 +18,7 @@ from jremat import policies
 from jremat._src.base import compat as _compat
 from jremat._src.base.args import abstract_args
 from jremat._src.compile.blocks import pairing
+from jremat._src.frontends.auto import is_static_arg
 from jremat._src.frontends.blocks import disabled
 from jremat._src.plan.plan import KEEP, SAVE_NAMES, Plan
 from jremat._src.plan.rewrite import segment_io
@@ -259,11 +260,14 @@ def _as_loss(target, args, argnums, method, rngs, mutable, kwargs):
             raise TypeError("jremat.explain(linen_model, variables, *inputs): variables missing")
         variables, inputs = args[0], tuple(args[1:])
         other = {k: v for k, v in variables.items() if k != "params"}
+        # a bool, int or string input (`train`) is closed over, as `jremat.auto` reads it
+        static = {i: x for i, x in enumerate(inputs) if is_static_arg(x)}
 
-        def apply(params, other, *inputs):
+        def apply(params, other, *dyn):
+            it = iter(dyn)
             out = target.apply(
                 {**other, "params": params},
-                *inputs,
+                *[static[i] if i in static else next(it) for i in range(len(inputs))],
                 rngs=rngs,
                 mutable=mutable,
                 method=method,
@@ -271,7 +275,8 @@ def _as_loss(target, args, argnums, method, rngs, mutable, kwargs):
             )
             return out[0] if mutable is not False else out
 
-        fargs = (variables.get("params", {}), other, *inputs)
+        dyn = [x for i, x in enumerate(inputs) if i not in static]
+        fargs = (variables.get("params", {}), other, *dyn)
         return _scalar_or_pairing(apply, fargs)
     if nnx is not None:
         from jremat._src.frontends.flax_nnx import has_graph_node
