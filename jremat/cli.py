@@ -203,9 +203,29 @@ def _run_compare(args: argparse.Namespace) -> int:
             import matplotlib  # noqa: F401
         except ImportError:
             return _error('--plot needs matplotlib: pip install "jremat[plot]"', 2)
+        if os.path.isdir(args.plot):
+            return _error(
+                f"--plot {args.plot!r} is a folder: give a file, e.g. "
+                f"{os.path.join(args.plot, 'pareto.png')!r}",
+                2,
+            )
         folder = os.path.dirname(os.path.abspath(args.plot))
         if not os.path.isdir(folder):
             return _error(f"--plot {args.plot!r}: folder {folder!r} does not exist", 2)
+        # the file matplotlib writes: with no suffix it adds ".png"; a suffix it cannot write
+        # is refused now, not after the comparison has run
+        from matplotlib.figure import Figure
+
+        formats = Figure().canvas.get_supported_filetypes()
+        suffix = os.path.splitext(args.plot)[1].lstrip(".").lower()
+        if not suffix:
+            args.plot += ".png"
+        elif suffix not in formats:
+            return _error(
+                f"--plot {args.plot!r}: matplotlib cannot write .{suffix} files; accepted: "
+                + ", ".join(f".{f}" for f in sorted(formats)),
+                2,
+            )
     t0 = time.perf_counter()
     if not args.quiet:
         print(

@@ -126,6 +126,8 @@ def test_json_flag_and_csv_format(canned, capsys):
         (["--runs", "-1"], "--runs must be >= 0"),
         (["--json", "--format", "csv"], "not allowed with"),
         (["--plot", "/no/such/folder/p.png"], "does not exist"),
+        (["--plot", "/"], "is a folder: give a file"),
+        (["--plot", "p.xyz"], "matplotlib cannot write .xyz files; accepted: "),
         (["--solvers", "chain,magic"], "--solvers: 'magic': accepted planners: auto"),
     ],
 )
@@ -133,6 +135,14 @@ def test_bad_arguments_exit_2(canned, capsys, argv, message):
     code, out, err = _run(argv, capsys)
     assert code == 2 and message in err and out == ""
     assert canned == []  # nothing was compiled
+
+
+def test_plot_without_a_suffix_is_written_as_png_and_reported_so(canned, capsys, tmp_path):
+    """matplotlib adds ".png" to a name without a suffix: the message names that file
+    (helper-4: it named the path as given)."""
+    code, _, err = _run(["--plot", str(tmp_path / "pareto")], capsys)
+    assert code == 0 and (tmp_path / "pareto.png").is_file()
+    assert f"plot written to {tmp_path / 'pareto.png'}" in err
 
 
 def test_failure_exits_1(monkeypatch, capsys):
