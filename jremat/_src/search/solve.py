@@ -311,7 +311,7 @@ def solve(
         time.perf_counter() - t0,
     )
     if cands.best[1] is None and solver in BEST_FIRST_SOLVERS and offload is None:
-        _last_resort(prog, cands, max_cuts)
+        _last_resort(prog, cands, max_cuts, [*cal.anchors, *cands.stage["floor"]])
     best = cands.best
     if best[1] is not None:
         best = _holds_under_grad(prog, target, best, cands.ranked())
@@ -521,13 +521,20 @@ def _choose(
     return found
 
 
-def _last_resort(prog: Program, found: Candidates, max_cuts: int) -> None:
-    """Where no plan of an exact solver fits: greedy's rounds (`LAST_RESORT_ROUNDS` compiles at
-    most) before `InfeasibleBudgetError`. Near the floor XLA's temp is not monotone in what a
-    plan saves, and greedy orders what to recompute otherwise: on a 3-layer block of matmul,
-    `jnp.sort` and `top_k` (jax 0.12) its plan at 0.7273 of the unrematerialized temp
-    compiled to 0.7197, where the chain DP's plans stated 0.7347 as the floor. Target-driven,
-    so not part of the stated floor (a new call at that floor finds it again without them)."""
+def _last_resort(
+    prog: Program, found: Candidates, max_cuts: int, floor: list[tuple[Plan, Compiled]]
+) -> None:
+    """Where no plan of an exact solver fits and the target is within `LAST_RESORT_REACH` of
+    the lowest of its budget-independent plans (`floor`): greedy's rounds
+    (`LAST_RESORT_ROUNDS` compiles at most) before `InfeasibleBudgetError`. Near the floor
+    XLA's temp is not monotone in what a plan saves, and greedy orders what to recompute
+    otherwise: on a 3-layer block of matmul, `jnp.sort` and `top_k` (jax 0.12) its plan at
+    0.7273 of the unrematerialized temp compiled to 0.7197, where the chain DP's plans stated
+    0.7347 as the floor. Target-driven, so not part of the stated floor (a new call at that
+    floor finds it again without them)."""
+    lowest = min((c.temp_bytes for _, c in floor), default=math.inf)
+    if found.target < LAST_RESORT_REACH * lowest:
+        return  # far below what any plan reached: a plan of another order will not get there
     found.log.append("no plan of the exact solver fits: greedy's rounds follow")
     greedy = prog.planner("greedy", max_cuts, None)
     _rounds(prog, greedy, _calibrate(prog, greedy), found, LAST_RESORT_ROUNDS, None)
@@ -537,6 +544,10 @@ def _last_resort(prog: Program, found: Candidates, max_cuts: int) -> None:
 
 #: Greedy's rounds `_last_resort` compiles at most.
 LAST_RESORT_ROUNDS = 2
+
+#: `_last_resort` runs where the target is at least this fraction of the lowest compiled
+#: budget-independent plan (greedy reached 2% below it on the `top_k` blocks).
+LAST_RESORT_REACH = 0.9
 
 
 def _floor_plan(prog: Program, found: Candidates, candidate: Plan | None, label: str) -> None:
