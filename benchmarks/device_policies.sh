@@ -8,14 +8,7 @@ set -u -o pipefail
 out=${1:?usage: device_policies.sh OUT_DIR [SIZE]}
 size=${2:-small}
 mkdir -p "$out"
-if [ -d .whl ]; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-    --target /tmp/site .whl/*.whl || exit 1
-  export PYTHONPATH=/tmp/site:$PWD
-else
-  export PYTHONPATH=$PWD
-fi
-export PYTHONUNBUFFERED=1
+. "$(dirname "$0")/device_env.sh"
 for policy in "no remat" "nothing_saveable per layer" "dots_saveable per layer" "auto 0.5" \
   "auto 0.25"; do
   limit=${POLICY_S:-60}

@@ -7,19 +7,11 @@
 #
 #   bash benchmarks/device_session.sh OUT_DIR
 #
-# Wheels the machine's image lacks (transformers 4.x for the Flax GPT-2, HiGHS) are installed
-# from .whl/ when that folder exists (see the device tool's README for how they are fetched).
+# Wheels the machine's image lacks are installed from .whl/ by device_env.sh.
 set -u -o pipefail
 out=${1:?usage: device_session.sh OUT_DIR}
 mkdir -p "$out"
-if [ -d .whl ]; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-    --target /tmp/site .whl/*.whl || exit 1
-  export PYTHONPATH=/tmp/site:$PWD
-else
-  export PYTHONPATH=$PWD
-fi
-export PYTHONUNBUFFERED=1
+. "$(dirname "$0")/device_env.sh"
 {
   nvidia-smi -L
   nproc
