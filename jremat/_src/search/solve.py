@@ -310,8 +310,10 @@ def solve(
         len(cands.stage["rounds"]),
         time.perf_counter() - t0,
     )
+    # the plans that do not depend on the target: an InfeasibleBudgetError states their floor
+    target_free = [*cal.anchors, *cands.stage["floor"]]
     if cands.best[1] is None and solver in BEST_FIRST_SOLVERS and offload is None:
-        _last_resort(prog, cands, max_cuts, [*cal.anchors, *cands.stage["floor"]])
+        _last_resort(prog, cands, max_cuts, target_free)
     best = cands.best
     if best[1] is not None:
         best = _holds_under_grad(prog, target, best, cands.ranked())
@@ -324,7 +326,7 @@ def solve(
     if chosen is None:
         # what a new plan() call at the stated budget compiles again (not the target-driven
         # rounds and mixes, which a larger target steers elsewhere)
-        _raise_infeasible(spec, prog, [*cal.anchors, *cands.stage["floor"]])
+        _raise_infeasible(spec, prog, target_free)
     return _finish_full(prog, planner, cal, chosen, c, [*cal.log, *cands.log], meta, solver)
 
 
@@ -538,8 +540,6 @@ def _last_resort(
     found.log.append("no plan of the exact solver fits: greedy's rounds follow")
     greedy = prog.planner("greedy", max_cuts, None)
     _rounds(prog, greedy, _calibrate(prog, greedy), found, LAST_RESORT_ROUNDS, None)
-    for p, c in found.stage["rounds"]:
-        found.offer(p, c, copied=True)
 
 
 #: Greedy's rounds `_last_resort` compiles at most.
