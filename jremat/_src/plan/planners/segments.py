@@ -14,6 +14,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from jremat._src.plan.offload import OffloadCost
+from jremat._src.plan.planners.value_cut import cut_save_set
 from jremat._src.plan.planners.value_ladder import ladder_levels
 from jremat._src.trace.cost_model import FUSIBLE
 from jremat._src.trace.graph import Graph
@@ -121,6 +122,18 @@ def _level_at_most(f: float) -> Callable[[Graph, int], bool]:
 #: "fpb>=t" and "ladder<=f" the per-value ladders (`FPB_LADDER`, `MARGINAL_LADDER`;
 #: `segment_table` drops a rung that selects the same values as an option before it on the
 #: graph at hand).
+#: Exchange rates (FLOPs per stored byte) of the min-cut save sets, a factor 4 apart like
+#: `FPB_LADDER` and one rung further at each end: a segment under "cut@t" saves the values of
+#: `value_cut.cut_save_set(graph, t)` its backward needs, the set that minimises recompute
+#: FLOPs plus t times saved bytes over the whole program, dependencies included.
+#: docs/design.md#per-value-save-sets.
+CUT_LADDER = (0.09375, 0.375, 1.5, 6.0, 24.0, 96.0, 384.0, 1536.0)
+
+
+def _in_cut(price: float) -> Callable[[Graph, int], bool]:
+    return lambda g, v: v in cut_save_set(g, price)
+
+
 SAVE_OPTIONS: dict[str, Callable[[Graph, int], bool]] = {
     "nothing": lambda g, v: False,
     "dots_no_batch": _is_unbatched_dot,
@@ -128,19 +141,25 @@ SAVE_OPTIONS: dict[str, Callable[[Graph, int], bool]] = {
     "dots": _is_dot,
     **{f"fpb>={tau:g}": _fpb_at_least(tau) for tau in FPB_LADDER},
     **{f"ladder<={f:g}": _level_at_most(f) for f in MARGINAL_LADDER},
+    **{f"cut@{t:g}": _in_cut(t) for t in CUT_LADDER},
 }
 
 #: The per-value ladders' option names (`segment_table` may drop them per graph; the others
 #: always stay: JAX's policies map onto them).
 FPB_OPTIONS = tuple(f"fpb>={tau:g}" for tau in FPB_LADDER)
 MARGINAL_OPTIONS = tuple(f"ladder<={f:g}" for f in MARGINAL_LADDER)
-LADDER_OPTIONS = (*FPB_OPTIONS, *MARGINAL_OPTIONS)
+CUT_OPTIONS = tuple(f"cut@{t:g}" for t in CUT_LADDER)
+LADDER_OPTIONS = (*FPB_OPTIONS, *MARGINAL_OPTIONS, *CUT_OPTIONS)
 
 #: The options the planners take unless given others: every `SAVE_OPTIONS` entry but the
-#: marginal ladder, which lowers the model's optimum (GPT-2 at 0.7: 19.8 -> 12.5 MFLOPs) but
-#: whose plans compile to more FLOPs than modelled, so `jremat.plan` returned worse plans
-#: with it (docs/design.md#per-value-save-sets); pass `options=` to use it.
-DEFAULT_OPTIONS = tuple(o for o in SAVE_OPTIONS if o not in MARGINAL_OPTIONS)
+#: marginal ladder and the min-cut rungs. Both lower the model's optimum (GPT-2 at 0.85:
+#: 11.2 -> 4.9 MFLOPs with the cut rungs, the per-value MILP's proven optimum), but
+#: `jremat.plan`'s search returned worse compiled plans with them: their plans compile
+#: further above the calibrated model than the options' (docs/design.md#per-value-save-sets).
+#: Pass `options=` to use them.
+DEFAULT_OPTIONS = tuple(
+    o for o in SAVE_OPTIONS if o not in MARGINAL_OPTIONS and o not in CUT_OPTIONS
+)
 
 
 def distinct_options(graph: Graph, options: Sequence[str]) -> list[str]:
