@@ -117,7 +117,7 @@ def test_with_the_cut_rungs_the_chain_dp_is_within_five_percent_of_the_per_value
     graph = jremat.trace(loss, *args)
     chain = ChainPlanner(graph, max_cuts=16, options=(*DEFAULT_OPTIONS, *CUT_OPTIONS))
     pv = PerValueMILP(
-        graph, cuts=chain.model.cuts, max_span=3, max_nodes=2_000, recompute_internal=True
+        graph, cuts=chain.model.cuts, max_span=2, max_nodes=2_000, recompute_internal=True
     )
     budget = fraction * chain.no_remat_peak()
     found = chain.model.cheapest_segments(budget)
