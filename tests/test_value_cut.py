@@ -90,6 +90,12 @@ def test_a_bad_price_is_refused_by_name(small, price):
         cut_save_set(small, price)
 
 
+def test_a_program_without_equations_saves_nothing():
+    graph = jremat.trace(lambda x: x, jnp.float32(2.0))
+    assert graph.num_nodes == 0
+    assert cut_save_set(graph, 1.0) == frozenset()
+
+
 def test_the_cut_rungs_name_their_values_and_are_opt_in(small):
     assert not set(CUT_OPTIONS) & set(DEFAULT_OPTIONS)
     for name in distinct_options(small, CUT_OPTIONS):

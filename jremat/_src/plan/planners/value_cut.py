@@ -61,6 +61,9 @@ def cut_save_set(graph: Graph, price: float) -> frozenset[int]:
         return memo[price]
     n = graph.num_nodes
     produced = [v.id for v in graph.values if v.producer >= 0]
+    if not produced:  # no equations: nothing to save or recompute
+        memo[price] = frozenset()
+        return memo[price]
     col = {v: n + k for k, v in enumerate(produced)}  # a[o]'s column
     nbytes = np.array([float(graph.values[v].nbytes) for v in produced])
     cost = np.zeros(n + len(produced))
