@@ -14,6 +14,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 import jremat
@@ -28,7 +29,7 @@ from jremat._src.plan.planners.segments import (
     option_pieces,
     saved_values,
 )
-from jremat._src.plan.planners.value_cut import cut_save_set
+from jremat._src.plan.planners.value_cut import MAX_PRICE, cut_save_set
 
 
 def _small():
@@ -74,20 +75,31 @@ def test_the_cut_is_the_exact_minimum_over_every_save_set(small, price):
 
 
 def test_the_cut_moves_from_recompute_to_save_as_the_price_falls(small):
-    """A price above every value's FLOPs per byte saves nothing; a price near 0 saves
+    """The largest price saves nothing; a price near 0 saves
     every candidate the backward needs and recomputes nothing."""
     pricer = SaveSetPricer(small)
     n = small.num_nodes
-    assert pricer.price(0, n, cut_save_set(small, 1e9)).kept == ()
+    assert pricer.price(0, n, cut_save_set(small, MAX_PRICE)).kept == ()
     assert pricer.price(0, n, cut_save_set(small, 1e-9)).flops == 0.0
     kept = [sum(pricer.price(0, n, cut_save_set(small, t)).kept) for t in (1e-9, *CUT_LADDER)]
     assert kept[0] > 0 and kept[-1] < kept[0]
 
 
-@pytest.mark.parametrize("price", [0, -1.0, math.inf, math.nan, "6"])
+@pytest.mark.parametrize("price", [0, -1.0, math.inf, math.nan, "6", True, 1e7, 10**400])
 def test_a_bad_price_is_refused_by_name(small, price):
     with pytest.raises(ValueError, match="price"):
         cut_save_set(small, price)
+
+
+def test_numpy_prices_are_prices(small):
+    assert cut_save_set(small, np.float32(6.0)) == cut_save_set(small, 6.0)
+    assert cut_save_set(small, np.int64(2)) == cut_save_set(small, 2.0)
+
+
+def test_the_largest_price_saves_only_what_must_be(small):
+    """At `MAX_PRICE` no value is worth its bytes: the cut recomputes everything it can."""
+    pricer = SaveSetPricer(small)
+    assert pricer.price(0, small.num_nodes, cut_save_set(small, MAX_PRICE)).kept == ()
 
 
 def test_a_program_without_equations_saves_nothing():

@@ -29,6 +29,8 @@ set at rate t; each segment keeps the part its backward needs. docs/design.md#pe
 
 from __future__ import annotations
 
+import numbers
+
 import numpy as np
 import scipy.optimize
 import scipy.sparse
@@ -37,6 +39,10 @@ from jremat._src.trace.graph import Graph
 from jremat._src.trace.layers import first_residual_use
 
 _MEMO = "value_cut_sets"
+
+#: The largest price taken, FLOPs per byte: far above any equation's (a matmul's is its
+#: contraction size over 2 for float32), below where HiGHS loses the objective's scale.
+MAX_PRICE = 1e6
 
 
 def cut_save_set(graph: Graph, price: float) -> frozenset[int]:
@@ -47,15 +53,20 @@ def cut_save_set(graph: Graph, price: float) -> frozenset[int]:
 
     Args:
       graph: a traced program (`jremat.trace`).
-      price: FLOPs one stored byte is worth, > 0.
+      price: FLOPs one stored byte is worth, in (0, `MAX_PRICE`] (a Python or NumPy real).
 
     Raises:
-      ValueError: when `price` is not a positive finite number.
+      ValueError: when `price` is not a real number in (0, `MAX_PRICE`].
       RuntimeError: when HiGHS reports no optimum (it cannot happen for a well-formed
         graph: the all-recompute point is feasible and the objective is bounded).
     """
-    if not (isinstance(price, int | float) and np.isfinite(price) and price > 0):
-        raise ValueError(f"price: a positive number of FLOPs per byte; got {price!r}")
+    try:
+        ok = not isinstance(price, bool) and 0 < float(price) <= MAX_PRICE
+    except (TypeError, ValueError, OverflowError):
+        ok = False
+    if not ok or not isinstance(price, numbers.Real):
+        raise ValueError(f"price: a number of FLOPs per byte in (0, {MAX_PRICE:g}]; got {price!r}")
+    price = float(price)
     memo = graph.memo.setdefault(_MEMO, {})
     if price in memo:
         return memo[price]
@@ -92,7 +103,7 @@ def cut_save_set(graph: Graph, price: float) -> frozenset[int]:
         shape=(len(rows), len(cost)),
     )
     res = scipy.optimize.linprog(
-        cost,
+        cost / max(float(np.abs(cost).max()), 1.0),  # the same argmin, in HiGHS's scale
         A_ub=a_ub,
         b_ub=np.zeros(len(rows)),
         bounds=np.c_[lower, np.ones_like(lower)],
