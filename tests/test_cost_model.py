@@ -8,6 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import jremat
 from jremat._src.trace import cost_model
 
 
@@ -176,3 +177,25 @@ def test_internal_residual_bytes_of_a_scan():
     assert cost_model.internal_residual_bytes(eqn) == 7 * per_iter
     assert cost_model.internal_residual_bytes(_eqn(jnp.sin, X)) == 0  # not control flow
     np.testing.assert_equal(cost_model.jaxpr_residual_bytes(jax.make_jaxpr(jnp.sin)(X)), 48)
+
+
+def test_a_nested_checkpoint_keeps_its_inputs_for_its_backward():
+    """A user's `jax.checkpoint` recomputes its body from its inputs in the backward pass, so
+    its floating inputs are residuals: a checkpointed segment that saves none of them
+    recomputes the matmul producing them (JAX does), and the matmul result may be saved.
+    Its residuals were empty, and the model priced that recompute at 0 FLOPs."""
+    from jremat._src.plan.planners.save_sets import SaveSetPricer
+
+    def loss(w, x):
+        h = x @ w
+        return jnp.sum(jax.checkpoint(lambda a: jnp.sin(a) * 3.0)(h))
+
+    graph = jremat.trace(loss, jnp.ones((16, 16)), jnp.ones((8, 16)))
+    (dot,) = [nd for nd in graph.nodes if nd.primitive == "dot_general"]
+    (ckpt,) = [nd for nd in graph.nodes if nd.primitive in ("checkpoint", "remat", "remat2")]
+    assert ckpt.vjp_residuals == dot.outputs
+    pricer = SaveSetPricer(graph)
+    n = graph.num_nodes
+    assert pricer.price(0, n, ()).flops >= dot.flops
+    assert pricer.facts(0, n).candidates == dot.outputs
+    assert pricer.price(0, n, dot.outputs).flops == 0.0

@@ -104,9 +104,12 @@ def jaxpr_flops(jaxpr: Any) -> float:
 
 
 def residual_positions(eqn: Any) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """(input positions, output positions) whose primal values the VJP of `eqn` keeps."""
+    """(input positions, output positions) whose primal values the VJP of `eqn` keeps.
+
+    A nested checkpoint's VJP recomputes its body from its inputs: it keeps its floating
+    inputs, as `internal_residual_bytes` leaves them to the caller."""
     name = eqn.primitive.name
-    if name in NEEDS_NOTHING or name in _compat.CHECKPOINT_PRIMITIVES:
+    if name in NEEDS_NOTHING:
         return (), ()
     if name in NEEDS_OUTPUT:
         return (), (0,)
