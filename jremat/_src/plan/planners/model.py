@@ -152,6 +152,26 @@ class _Frontier:
 # the pair loses no plan. Hence a state per cut: 1 after a kept segment, else 0.
 
 
+def _dominated(fl: np.ndarray, shift: np.ndarray, need: np.ndarray) -> np.ndarray:
+    """`out[b, k]`: checkpointed option k of segment end b is dominated by an earlier
+    checkpointed option k' < k of the same end, with no more cost, stored buckets and
+    first level (arrays of shape (end, option), option 0 kept). Such a row never wins
+    `_bucket_dp`'s choice: the suffix it leads to is the same state and end, so its candidate
+    is no cheaper at any level, and ties go to the earlier option. Options that select the
+    same values inside a segment (most do, on short segments) are dropped so."""
+    f, s, n = fl[:, 1:], shift[:, 1:], need[:, 1:]
+    k = f.shape[1]
+    dom = (
+        (f[:, :, None] <= f[:, None, :])
+        & (s[:, :, None] <= s[:, None, :])
+        & (n[:, :, None] <= n[:, None, :])
+    )  # [b, k', k]: k' no worse than k
+    earlier = np.tri(k, k=-1, dtype=bool).T  # [k', k]: k' < k
+    out = np.zeros(fl.shape, dtype=bool)
+    out[:, 1:] = (dom & earlier).any(axis=1)
+    return out
+
+
 def _bucket_dp(t: SegmentTable, budget: float, round_up: bool) -> _Frontier | None:
     """`within_budget`'s DP, every memory level kept; None when the budget is not positive.
     Two states per cut: any segment may start there (0), or, after a kept segment, only a
@@ -181,25 +201,32 @@ def _bucket_dp(t: SegmentTable, budget: float, round_up: bool) -> _Frontier | No
         rnd = np.ceil(stored_q - 1e-9) if round_up else np.floor(stored_q + 1e-9)
         shift = np.where(finite, np.minimum(rnd, width), width).astype(np.int64)
         need = np.searchsorted(levels, stored + trans)  # the first level that holds the segment
-        # only (b, option) pairs that fit at some level, in (b, option) order
-        rows_b, rows_k = np.nonzero(need <= GRID)
+        # only (b, option) pairs that fit at some level and that no earlier checkpointed
+        # option of the same b dominates, in (b, option) order
+        rows_b, rows_k = np.nonzero((need <= GRID) & ~_dominated(fl, shift, need))
         if not len(rows_b):
             continue
         # F[next state, b, L - shift]: after a kept segment (option 0) the next is state 1
-        rest = windows[(rows_k == 0).astype(np.int64), bs[rows_b], width - shift[rows_b, rows_k]]
-        cand = np.where(
-            cols >= need[rows_b, rows_k][:, None], fl[rows_b, rows_k][:, None] + rest, inf
-        )
+        # (fancy indexing copies: the candidates are built in place)
+        cand = windows[(rows_k == 0).astype(np.int64), bs[rows_b], width - shift[rows_b, rows_k]]
+        cand += fl[rows_b, rows_k][:, None]
+        cand[cols < need[rows_b, rows_k][:, None]] = inf
+        checkpointed = rows_k != 0
         for state in (0, 1):
-            rows = np.arange(len(rows_b)) if state == 0 else np.nonzero(rows_k != 0)[0]
-            if not len(rows):
-                continue
+            if state == 1:  # after a kept segment: the kept rows out, in place (no copy)
+                if not checkpointed.any():
+                    continue
+                cand[~checkpointed] = inf
             # ties: the smallest b, then the first option
-            first = rows[first_near_min(cand[rows], axis=0)]
+            first = first_near_min(cand, axis=0)
             best = cand[first, cols]
+            finite = np.isfinite(best)
             padded[state, a, width:] = best
-            arg_b[state, a] = np.where(np.isfinite(best), bs[rows_b[first]], -1)
-            arg_mode[state, a] = rows_k[first]
+            arg_b[state, a] = np.where(finite, bs[rows_b[first]], -1)
+            # where nothing fits: the first row the state allows, as before the kept rows
+            # were masked rather than dropped (never walked: `plan_at` follows finite costs)
+            fallback = rows_k[np.argmax(checkpointed)] if state else rows_k[0]
+            arg_mode[state, a] = np.where(finite, rows_k[first], fallback)
     return _Frontier(t, q, padded[0, 0, width:].copy(), arg_b, arg_mode, round_up)
 
 
