@@ -207,3 +207,46 @@ def test_greedy_is_tried_before_a_budget_is_declared_infeasible():
     # the exact solver's own rounds may reach it too (jax 0.10); on jax 0.12 only greedy's do
     plan = jremat.plan(loss, *args, budget=budget)
     assert plan.measured_temp_bytes <= plan.budget_temp_bytes
+
+
+def _user_checkpointed_mlp():
+    """4 residual MLP layers the user wrapped in `jax.checkpoint(policy=dots_saveable)`: the
+    checkpoints save both matmul results of each layer, so the program holds as much as
+    without them."""
+
+    def layer(w, x):
+        return x + jnp.tanh(jnp.tanh(x @ w[0]) @ w[1])
+
+    def loss(ws, x):
+        for w in ws:
+            x = jax.checkpoint(layer, policy=jax.checkpoint_policies.dots_saveable)(w, x)
+        return jnp.mean(x**2)
+
+    k = jax.random.split(jax.random.key(0), 9)
+    ws = [
+        (
+            jax.random.normal(k[2 * i], (128, 512)) * 0.05,
+            jax.random.normal(k[2 * i + 1], (512, 128)) * 0.05,
+        )
+        for i in range(4)
+    ]
+    return loss, (ws, jax.random.normal(k[8], (256, 128)))
+
+
+def test_an_outer_checkpoint_frees_what_the_users_checkpoint_policy_saves():
+    """jremat cuts at the user's checkpoints and prices what their policy saves inside them,
+    so a plan wraps them in checkpoints that save less. The stated floor was 0.9546 on both
+    JAX lines (no cut between the checkpoints: the bytes crossing there are the maximum);
+    measured now 0.3637 (jax 0.12) and 0.4546 (jax 0.10). At 0.7 the plan fits and its
+    gradients are the unrematerialized ones."""
+    import chex
+
+    loss, args = _user_checkpointed_mlp()
+    plan = jremat.plan(loss, *args, budget=0.7)
+    assert plan.measured_temp_bytes <= 0.7 * plan.baseline_temp_bytes
+    chex.assert_trees_all_close(
+        jax.grad(jremat.rematerialize(loss, plan))(*args), jax.grad(loss)(*args), rtol=1e-5
+    )
+    with pytest.raises(jremat.InfeasibleBudgetError) as info:
+        jremat.plan(loss, *args, budget=0.05)
+    assert info.value.smallest_reachable <= 0.5

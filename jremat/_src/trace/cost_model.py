@@ -131,11 +131,12 @@ def internal_residual_bytes(eqn: Any) -> int:
     """Bytes a control-flow equation keeps inside itself for its backward pass.
 
     A scan keeps every iteration's residuals stacked (length x body residuals); a cond the
-    largest branch's; a nested checkpoint only its inputs (counted by the caller).
+    largest branch's; a nested checkpoint its inputs (counted by the caller) and what its
+    policy saves (`policy_saved_bytes`).
     """
     name = eqn.primitive.name
     if name in _compat.CHECKPOINT_PRIMITIVES:
-        return 0
+        return policy_saved_bytes(eqn)
     subs = _compat.subjaxprs(eqn)
     if not subs:
         return 0
@@ -145,6 +146,39 @@ def internal_residual_bytes(eqn: Any) -> int:
     if name == "cond":
         return max(inner)
     return inner[0] if name.startswith("custom_") else sum(inner)
+
+
+def policy_saved_bytes(eqn: Any) -> int:
+    """Bytes a nested checkpoint's policy saves inside it for its backward pass: the floating
+    outputs of the body's equations (calls included) its policy marks saveable on the device
+    (a user's `jax.checkpoint(f, policy=dots_saveable)` keeps its matmul results). 0 without
+    a policy (JAX's default saves nothing). An outer checkpoint that saves none of them
+    recomputes them: on jax 0.12, `nothing_saveable` around 4 such MLP layers compiled to 0.36
+    of the unrematerialized temp, where they alone hold all of it."""
+    policy = eqn.params.get("policy")
+    body = eqn.params.get("jaxpr")
+    if policy is None or body is None:
+        return 0
+
+    def saved(jaxpr: Any) -> int:
+        total = 0
+        for e in _compat.closed(jaxpr)[0].eqns:
+            if e.primitive.name in _compat.INLINE_PRIMITIVES:
+                total += sum(saved(j) for j in _compat.subjaxprs(e))
+                continue
+            try:
+                keep = policy(e.primitive, *[v.aval for v in e.invars], **e.params)
+            except Exception:  # a policy that cannot judge this equation: counted as not saved
+                keep = False
+            if keep is True or type(keep).__name__ == "Saveable":
+                total += sum(
+                    _compat.aval_nbytes(v.aval)
+                    for v in e.outvars
+                    if _compat.is_float_dtype(getattr(v.aval, "dtype", None))
+                )
+        return total
+
+    return saved(body)
 
 
 def jaxpr_residual_bytes(jaxpr: Any) -> int:

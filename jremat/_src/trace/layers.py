@@ -10,7 +10,7 @@ import re
 
 import numpy as np
 
-from jremat._src.base.compat import subjaxprs
+from jremat._src.base.compat import CHECKPOINT_PRIMITIVES, subjaxprs
 from jremat._src.trace.graph import Graph, is_literal
 
 _LAYER_PART = re.compile(r"^(?:\d+|.*_\d+)$")
@@ -307,6 +307,13 @@ def candidate_cuts(graph: Graph, max_cuts: int = 160, layers: bool = True) -> li
     cuts = {0, n}
     for s, e in layer_spans(graph) if layers else ():
         cuts.update((s, e))
+    # a user's checkpoint is a block of its own: the bytes crossing its ends may equal the
+    # crossing's maximum (a stack of checkpointed layers crosses only the layer input), which
+    # no local minimum below would pick, and an outer checkpoint around it is what frees the
+    # residuals its policy saves (`cost_model.policy_saved_bytes`)
+    for node in graph.nodes:
+        if node.primitive in CHECKPOINT_PRIMITIVES:
+            cuts.update((node.index, node.index + 1))
     interior = [
         p
         for p in range(1, n)
