@@ -199,3 +199,62 @@ def test_a_nested_checkpoint_keeps_its_inputs_for_its_backward():
     assert pricer.price(0, n, ()).flops >= dot.flops
     assert pricer.facts(0, n).candidates == dot.outputs
     assert pricer.price(0, n, dot.outputs).flops == 0.0
+
+
+def _named_layer(w, x):
+    from jax.ad_checkpoint import checkpoint_name
+
+    h = checkpoint_name(jnp.tanh(x @ w), "a")
+    return checkpoint_name(h @ w.T, "b")
+
+
+_P = jax.checkpoint_policies
+_NAMED = 2 * 8 * 16 * 4  # the two named f32[8, 16] and f32[8, 16] results
+_POLICIES = {
+    "none": (None, 0),
+    "dots": (_P.dots_saveable, _NAMED),
+    "names": (_P.save_only_these_names("a", "b"), _NAMED),
+    # JAX's `Saveable` marker, not True: was counted as 0
+    "save_and_offload, saved": (
+        _P.save_and_offload_only_these_names(
+            names_which_can_be_saved=["a", "b"],
+            names_which_can_be_offloaded=[],
+            offload_src="device",
+            offload_dst="pinned_host",
+        ),
+        _NAMED,
+    ),
+    "save_and_offload, offloaded": (
+        _P.save_and_offload_only_these_names(
+            names_which_can_be_saved=[],
+            names_which_can_be_offloaded=["a", "b"],
+            offload_src="device",
+            offload_dst="pinned_host",
+        ),
+        0,
+    ),
+}
+
+
+@pytest.mark.parametrize("name", sorted(_POLICIES))
+def test_what_a_users_checkpoint_policy_saves_is_its_internal_bytes(name):
+    from jremat._src.base import compat
+
+    policy, expected = _POLICIES[name]
+    w, x = jnp.ones((16, 16)), jnp.ones((8, 16))
+    jaxpr = jax.make_jaxpr(jax.checkpoint(_named_layer, policy=policy))(w, x)
+    (eqn,) = [e for e in jaxpr.jaxpr.eqns if e.primitive.name in compat.CHECKPOINT_PRIMITIVES]
+    assert cost_model.internal_residual_bytes(eqn) == expected
+
+
+def test_a_scan_in_a_users_checkpoint_saves_its_dots_stacked():
+    from jremat._src.base import compat
+
+    def body(w, x):
+        return jax.lax.scan(lambda c, _: (_named_layer(w, c), None), x, None, length=3)[0]
+
+    jaxpr = jax.make_jaxpr(jax.checkpoint(body, policy=_P.dots_saveable))(
+        jnp.ones((16, 16)), jnp.ones((8, 16))
+    )
+    (eqn,) = [e for e in jaxpr.jaxpr.eqns if e.primitive.name in compat.CHECKPOINT_PRIMITIVES]
+    assert cost_model.internal_residual_bytes(eqn) == 3 * _NAMED

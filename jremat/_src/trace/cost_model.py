@@ -150,11 +150,12 @@ def internal_residual_bytes(eqn: Any) -> int:
 
 def policy_saved_bytes(eqn: Any) -> int:
     """Bytes a nested checkpoint's policy saves inside it for its backward pass: the floating
-    outputs of the body's equations (calls included) its policy marks saveable on the device
-    (a user's `jax.checkpoint(f, policy=dots_saveable)` keeps its matmul results). 0 without
-    a policy (JAX's default saves nothing). An outer checkpoint that saves none of them
-    recomputes them: on jax 0.12, `nothing_saveable` around 4 such MLP layers compiled to 0.36
-    of the unrematerialized temp, where they alone hold all of it."""
+    outputs of the body's equations (calls included, scans times their length) its policy
+    marks saveable on the device (a user's `jax.checkpoint(f, policy=dots_saveable)` keeps
+    its matmul results). 0 without a policy (JAX's default saves nothing). An outer
+    checkpoint that saves none of them recomputes them: on jax 0.12, `nothing_saveable`
+    around 4 such MLP layers compiled to 0.36 of the unrematerialized temp, where they alone
+    hold all of it."""
     policy = eqn.params.get("policy")
     body = eqn.params.get("jaxpr")
     if policy is None or body is None:
@@ -166,11 +167,16 @@ def policy_saved_bytes(eqn: Any) -> int:
             if e.primitive.name in _compat.INLINE_PRIMITIVES:
                 total += sum(saved(j) for j in _compat.subjaxprs(e))
                 continue
+            if e.primitive.name == "scan":  # a scan saves its body's values stacked
+                total += _compat.scan_length(e) * sum(saved(j) for j in _compat.subjaxprs(e))
+                continue
             try:
                 keep = policy(e.primitive, *[v.aval for v in e.invars], **e.params)
             except Exception:  # a policy that cannot judge this equation: counted as not saved
                 keep = False
-            if keep is True or type(keep).__name__ == "Saveable":
+            # True, or JAX's `Saveable` marker (an instance of `SaveableType`, what
+            # `save_and_offload_only_these_names` returns); `Offloadable` leaves the device
+            if keep is True or type(keep).__name__ == "SaveableType":
                 total += sum(
                     _compat.aval_nbytes(v.aval)
                     for v in e.outvars
