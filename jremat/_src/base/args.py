@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import numbers
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -39,6 +40,38 @@ def as_int(name: str, value: Any) -> int | None:
             f"{name} must be a concrete int, known before tracing; got a traced "
             f"{type(value).__name__} (pass it as a Python int or a static argument)"
         ) from e
+
+
+def as_real(value: Any) -> float | None:
+    """`value` as a float when it is a real number (Python/NumPy int or float, or a 0-d
+    NumPy/JAX array of an integer or floating dtype, bfloat16 included; not a bool), else
+    None."""
+    if isinstance(value, (bool, np.bool_)):
+        return None
+    if isinstance(value, numbers.Real):
+        try:
+            return float(value)
+        except OverflowError:  # an int too large for a float
+            return math.inf
+    dtype = getattr(value, "dtype", None)
+    if getattr(value, "shape", None) == () and dtype is not None and _real_dtype(dtype):
+        try:
+            return float(value)
+        except TypeError:  # a tracer
+            return None
+    return None
+
+
+def _real_dtype(dtype: Any) -> bool:
+    """Whether `dtype` is an integer or real floating dtype, JAX's (bfloat16, float8_*)
+    included, whose NumPy kind is 'V'; bool and complex are not."""
+    try:
+        return bool(
+            jax.numpy.issubdtype(dtype, jax.numpy.integer)
+            or jax.numpy.issubdtype(dtype, jax.numpy.floating)
+        )
+    except TypeError:  # a `dtype` attribute that is not a dtype
+        return False
 
 
 def check_count(name: str, value: Any) -> int:

@@ -13,12 +13,11 @@ import copy
 import dataclasses
 import functools
 import math
-import numbers
 from typing import Any
 
 import jax
-import numpy as np
 
+from jremat._src.base.args import as_real
 from jremat._src.plan.plan import Plan
 
 #: `offload_dst` of jremat's offload policies.
@@ -53,7 +52,7 @@ class OffloadCost:
     def __post_init__(self) -> None:
         for name in ("host_bandwidth", "device_flops"):
             value = getattr(self, name)
-            number = _real(value)
+            number = as_real(value)
             if number is None or not math.isfinite(number) or number <= 0:
                 raise ValueError(
                     f"OffloadCost.{name} must be a finite number > 0 "
@@ -75,38 +74,6 @@ class OffloadCost:
     def transfer_flops(self, nbytes: float) -> float:
         """`transfer_seconds(nbytes)` as FLOP-equivalents of the device."""
         return nbytes * self.flops_per_byte
-
-
-def _real(value: Any) -> float | None:
-    """`value` as a float when it is a real number (Python/NumPy int or float, or a 0-d
-    NumPy/JAX array of an integer or floating dtype, bfloat16 included; not a bool), else
-    None."""
-    if isinstance(value, (bool, np.bool_)):
-        return None
-    if isinstance(value, numbers.Real):
-        try:
-            return float(value)
-        except OverflowError:  # an int too large for a float
-            return math.inf
-    dtype = getattr(value, "dtype", None)
-    if getattr(value, "shape", None) == () and dtype is not None and _real_dtype(dtype):
-        try:
-            return float(value)
-        except TypeError:  # a tracer
-            return None
-    return None
-
-
-def _real_dtype(dtype: Any) -> bool:
-    """Whether `dtype` is an integer or real floating dtype, JAX's (bfloat16, float8_*)
-    included, whose NumPy kind is 'V'; bool and complex are not."""
-    try:
-        return bool(
-            jax.numpy.issubdtype(dtype, jax.numpy.integer)
-            or jax.numpy.issubdtype(dtype, jax.numpy.floating)
-        )
-    except TypeError:  # a `dtype` attribute that is not a dtype
-        return False
 
 
 def parse_offload(offload: Any) -> OffloadCost | None:

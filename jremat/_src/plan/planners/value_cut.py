@@ -35,6 +35,7 @@ import numpy as np
 import scipy.optimize
 import scipy.sparse
 
+from jremat._src.base.args import as_real
 from jremat._src.trace.graph import Graph
 from jremat._src.trace.layers import first_residual_use
 
@@ -60,13 +61,10 @@ def cut_save_set(graph: Graph, price: float) -> frozenset[int]:
       RuntimeError: when HiGHS reports no optimum (it cannot happen for a well-formed
         graph: the all-recompute point is feasible and the objective is bounded).
     """
-    try:
-        ok = not isinstance(price, bool) and 0 < float(price) <= MAX_PRICE
-    except (TypeError, ValueError, OverflowError):
-        ok = False
-    if not ok or not isinstance(price, numbers.Real):
+    number = as_real(price) if isinstance(price, numbers.Real) else None
+    if number is None or not 0 < number <= MAX_PRICE:
         raise ValueError(f"price: a number of FLOPs per byte in (0, {MAX_PRICE:g}]; got {price!r}")
-    price = float(price)
+    price = number
     memo = graph.memo.setdefault(_MEMO, {})
     if price in memo:
         return memo[price]
