@@ -115,13 +115,6 @@ def _level_at_most(f: float) -> Callable[[Graph, int], bool]:
     return lambda g, v: ladder_levels(g).get(v, 2.0) <= f
 
 
-#: Save sets a checkpointed segment may choose (Rotor/Rockmate-style options per segment):
-#: name -> predicate on a value id. "nothing", "dots" and "dots_no_batch" are JAX's
-#: nothing_saveable, dots_saveable and dots_with_no_batch_dims_saveable restricted to the values
-#: the backward pass needs; "expensive" keeps results costing >= 8 FLOPs per stored byte;
-#: "fpb>=t" and "ladder<=f" the per-value ladders (`FPB_LADDER`, `MARGINAL_LADDER`;
-#: `segment_table` drops a rung that selects the same values as an option before it on the
-#: graph at hand).
 #: Exchange rates (FLOPs per stored byte) of the min-cut save sets, a factor 4 apart like
 #: `FPB_LADDER` and one rung further at each end: a segment under "cut@t" saves the values of
 #: `value_cut.cut_save_set(graph, t)` its backward needs, the set that minimises recompute
@@ -134,6 +127,13 @@ def _in_cut(price: float) -> Callable[[Graph, int], bool]:
     return lambda g, v: v in cut_save_set(g, price)
 
 
+#: Save sets a checkpointed segment may choose (Rotor/Rockmate-style options per segment):
+#: name -> predicate on a value id. "nothing", "dots" and "dots_no_batch" are JAX's
+#: nothing_saveable, dots_saveable and dots_with_no_batch_dims_saveable restricted to the values
+#: the backward pass needs; "expensive" keeps results costing >= 8 FLOPs per stored byte;
+#: "fpb>=t", "ladder<=f" and "cut@t" the per-value ladders (`FPB_LADDER`, `MARGINAL_LADDER`,
+#: `CUT_LADDER`; `segment_table` drops a rung that selects the same values as an option
+#: before it on the graph at hand).
 SAVE_OPTIONS: dict[str, Callable[[Graph, int], bool]] = {
     "nothing": lambda g, v: False,
     "dots_no_batch": _is_unbatched_dot,
