@@ -87,15 +87,11 @@ CONVS = {
         _conv((1, 1), "VALID", dilation=(2, 2)),
         (_ones(1, 9, 9, 2), _ones(3, 3, 2, 3)),
     ),
-    # With padding XLA counts only the taps that fall on the input (60000 here); the cost
-    # model counts every tap of every output (69984): it overestimates padded convolutions.
-    "nhwc_same_padding": pytest.param(
-        _conv((1, 1), "SAME"),
+    # with padding XLA counts only the taps that fall on the input (60000 here, of 69984)
+    "nhwc_same_padding": (_conv((1, 1), "SAME"), (_ones(2, 9, 9, 4), _ones(3, 3, 4, 6))),
+    "nhwc_negative_padding": (
+        _conv((1, 1), ((-1, 2), (1, -1))),
         (_ones(2, 9, 9, 4), _ones(3, 3, 4, 6)),
-        marks=pytest.mark.xfail(
-            strict=True,
-            reason="cost model counts padding taps; XLA counts only taps on the input",
-        ),
     ),
 }
 
@@ -109,6 +105,37 @@ def test_conv_general_dilated_flops_equal_xla(fn, args):
     eqn = _eqn(fn, *args)
     assert eqn.primitive.name == "conv_general_dilated"
     assert cost_model.eqn_flops(eqn) == _xla_flops(fn, *args) > 0
+
+
+#: Convolutions whose backward passes hold the window shapes the forward one does not: the
+#: data gradient of a strided convolution is one over an input dilated by the stride, the
+#: weight gradient one whose window is the output's cotangent.
+GRAD_CONVS = {
+    "strided_same": dict(window_strides=(2, 2), padding="SAME"),
+    "strided_valid_dilated": dict(window_strides=(2, 1), padding="VALID", rhs_dilation=(1, 2)),
+    "grouped_padded": dict(window_strides=(1, 1), padding=((2, 0), (1, 1)), feature_group_count=2),
+    "transposed": dict(window_strides=(1, 1), padding=((1, 1), (2, 2)), lhs_dilation=(2, 2)),
+}
+
+
+@pytest.mark.parametrize("case", list(GRAD_CONVS))
+def test_conv_flops_of_both_gradients_equal_xla(case):
+    """Each convolution of a convolution's forward and backward passes, compiled alone,
+    costs what the cost model counts."""
+    kw = GRAD_CONVS[case]
+    groups = kw.get("feature_group_count", 1)
+    x, w = _ones(2, 4, 9, 7), _ones(6, 4 // groups, 3, 2)
+
+    def loss(x, w):
+        return jnp.sum(jax.lax.conv_general_dilated(x, w, **kw) ** 2)
+
+    jaxpr = jax.make_jaxpr(jax.grad(loss, (0, 1)))(x, w).jaxpr
+    convs = [e for e in jaxpr.eqns if e.primitive.name == "conv_general_dilated"]
+    assert len(convs) == 3  # forward, data gradient, weight gradient
+    for eqn in convs:
+        args = [jnp.ones(v.aval.shape, v.aval.dtype) for v in eqn.invars]
+        alone = lambda a, b, eqn=eqn: eqn.primitive.bind(a, b, **eqn.params)  # noqa: E731
+        assert cost_model.eqn_flops(eqn) == _xla_flops(alone, *args) > 0, eqn.params
 
 
 def test_elementwise_movement_and_reduction_flops():

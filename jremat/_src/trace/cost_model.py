@@ -60,17 +60,46 @@ def dot_general_flops(eqn: Any) -> float:
     return 2.0 * out * contracted
 
 
+def _window_taps(out: int, kernel: int, size: int, stride: int, pad_low: int, lhs_dil: int,
+                 rhs_dil: int) -> int:
+    """(output position, kernel tap) pairs of one spatial dimension whose input index falls
+    on an input element: not in the padding, not between the elements of a dilated input."""
+    o = np.arange(out, dtype=np.int64)[:, None]
+    k = np.arange(kernel, dtype=np.int64)[None, :]
+    dilated = o * stride - pad_low + k * rhs_dil  # index into the padded, dilated input
+    on_input = (dilated % lhs_dil == 0) & (dilated >= 0) & (dilated < (size - 1) * lhs_dil + 1)
+    return int(on_input.sum())
+
+
 def conv_flops(eqn: Any) -> float:
-    rhs = eqn.invars[1].aval.shape
-    dn = eqn.params.get("dimension_numbers")
-    out = _size(eqn.outvars[0].aval)
-    # rhs spec: (out feature dim, in feature dim, spatial dims...)
-    if dn is not None and hasattr(dn, "rhs_spec"):
-        in_feat = rhs[dn.rhs_spec[1]]
-        window = int(np.prod([rhs[d] for d in dn.rhs_spec[2:]], dtype=np.int64))
-    else:
-        in_feat, window = rhs[1], int(np.prod(rhs[2:], dtype=np.int64))
-    return 2.0 * out * in_feat * window
+    """FLOPs of a `conv_general_dilated`: 2 per multiply-add whose input tap falls on the
+    input, as XLA's `HloCostAnalysis` counts them (taps on the padding or between the
+    elements of a dilated input are not computed): 2 * batch / batch groups * output
+    features * input features / feature groups * the product over spatial dimensions of
+    `_window_taps`."""
+    lhs, rhs = eqn.invars[0].aval.shape, eqn.invars[1].aval.shape
+    out = eqn.outvars[0].aval.shape
+    dn = eqn.params["dimension_numbers"]
+    lhs_spec, rhs_spec, out_spec = dn.lhs_spec, dn.rhs_spec, dn.out_spec
+    spatial = len(lhs_spec) - 2
+    strides = eqn.params.get("window_strides") or (1,) * spatial
+    padding = eqn.params.get("padding") or ((0, 0),) * spatial
+    lhs_dil = eqn.params.get("lhs_dilation") or (1,) * spatial
+    rhs_dil = eqn.params.get("rhs_dilation") or (1,) * spatial
+    taps = 1
+    for d in range(spatial):
+        taps *= _window_taps(
+            out[out_spec[2 + d]],
+            rhs[rhs_spec[2 + d]],
+            lhs[lhs_spec[2 + d]],
+            strides[d],
+            padding[d][0],
+            lhs_dil[d],
+            rhs_dil[d],
+        )
+    batch = lhs[lhs_spec[0]] // eqn.params.get("batch_group_count", 1)
+    in_feat = lhs[lhs_spec[1]] // eqn.params.get("feature_group_count", 1)
+    return 2.0 * batch * out[out_spec[1]] * in_feat * taps
 
 
 def eqn_flops(eqn: Any) -> float:
