@@ -60,8 +60,9 @@ def dot_general_flops(eqn: Any) -> float:
     return 2.0 * out * contracted
 
 
-def _window_taps(out: int, kernel: int, size: int, stride: int, pad_low: int, lhs_dil: int,
-                 rhs_dil: int) -> int:
+def _window_taps(
+    out: int, kernel: int, size: int, stride: int, pad_low: int, lhs_dil: int, rhs_dil: int
+) -> int:
     """(output position, kernel tap) pairs of one spatial dimension whose input index falls
     on an input element: not in the padding, not between the elements of a dilated input."""
     o = np.arange(out, dtype=np.int64)[:, None]
