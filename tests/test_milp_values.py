@@ -362,3 +362,33 @@ def test_a_given_start_joins_the_program_whatever_its_span():
         assert sol.warm_start == pytest.approx(found[0], rel=1e-12), (budget, sol, found)
         assert sol.objective <= found[0] + 1e-9 * max(found[0], 1.0) and sol.peak <= budget
     assert long >= 1
+
+
+def test_every_highs_solve_runs_without_the_heuristics_that_hang(ref, monkeypatch):
+    """The segment MILP and the per-value MILP both solve through `highs.mip_solver`: one
+    thread, seed 0, the node limit, and the root reduced-cost heuristic off (it ran over 10
+    minutes, past the node and time limits, on a 6-layer MLP's segment MILP where the same
+    solve without it takes 5 s: `tests/test_vmap.py`'s plan at 4 examples)."""
+    import highspy
+
+    from jremat._src.plan.planners import highs
+
+    known = [o for o in highs.HANGING_HEURISTICS if hasattr(highspy.HighsOptions(), o)]
+    seen = []
+    run = highspy.Highs.run
+
+    def recording_run(h):
+        seen.append(
+            {o: h.getOptionValue(o)[1] for o in ("threads", "random_seed", "mip_max_nodes")}
+        )
+        seen[-1].update({o: h.getOptionValue(o)[1] for o in known})
+        return run(h)
+
+    monkeypatch.setattr(highspy.Highs, "run", recording_run)
+    budget = 0.5 * ref.model.no_remat_peak()
+    MILPPlanner(ref.graph, max_cuts=MAX_CUTS, max_nodes=7, options=ref.options).plan(budget)
+    PerValueMILP(ref.graph, max_cuts=MAX_CUTS, max_nodes=9).solve(budget)
+    assert [s["mip_max_nodes"] for s in seen] == [7, 9]
+    for s in seen:
+        assert s["threads"] == 1 and s["random_seed"] == 0
+        assert all(s[o] is False for o in known), s

@@ -33,6 +33,15 @@ REDUCTIONS = frozenset(
     """reduce_sum reduce_max reduce_min reduce_prod reduce_and reduce_or argmax argmin
     cumsum cumprod cummax cummin cumlogsumexp reduce_precision""".split()
 )
+#: Reductions XLA counts as one operation per input element folded into another: input
+#: elements minus output elements (a sum of 4 x 64 over its rows: 192).
+FOLDS = frozenset("reduce_sum reduce_max reduce_min reduce_prod reduce_and reduce_or".split())
+#: Windowed reductions (pooling): window elements - 1 operations per output element, padding
+#: taps included, as XLA counts them.
+WINDOW_FOLDS = frozenset("reduce_window_sum reduce_window_max reduce_window_min".split())
+#: Operations per element where XLA expands a primitive into several (on every backend:
+#: `logistic` is 1 / (1 + exp(-x)), a transcendental and three operations).
+EXPANDED = {"logistic": 4}
 
 
 #: Elementwise (and broadcast/convert) primitives XLA fuses into the consumer's kernel; their
@@ -103,6 +112,14 @@ def conv_flops(eqn: Any) -> float:
     return 2.0 * batch * out[out_spec[1]] * in_feat * taps
 
 
+def integer_pow_multiplies(y: int) -> int:
+    """Operations per element of `x ** y` as JAX lowers it, by squaring and multiplying
+    (one more, a reciprocal, for y < 0): 0 for y in (0, 1), 2 for 3, 6 for 15."""
+    n = abs(int(y))
+    ops = max(n.bit_length() - 1, 0) + max(bin(n).count("1") - 1, 0)
+    return ops + (y < 0)
+
+
 def eqn_flops(eqn: Any) -> float:
     """FLOPs of one equation, nested bodies included (the table in
     docs/design.md#tracing-and-the-cost-model)."""
@@ -113,8 +130,17 @@ def eqn_flops(eqn: Any) -> float:
         return conv_flops(eqn)
     if name in MOVEMENT:
         return 0.0
+    if name in FOLDS:
+        return float(_size(eqn.invars[0].aval) - _size(eqn.outvars[0].aval))
+    if name in WINDOW_FOLDS:
+        window = int(np.prod(eqn.params["window_dimensions"], dtype=np.int64))
+        return float(_size(eqn.outvars[0].aval) * (window - 1))
     if name in REDUCTIONS:
         return float(sum(_size(v.aval) for v in eqn.invars))
+    if name == "integer_pow":
+        return float(_size(eqn.outvars[0].aval) * integer_pow_multiplies(eqn.params["y"]))
+    if name in EXPANDED:
+        return float(_size(eqn.outvars[0].aval) * EXPANDED[name])
     subs = _compat.subjaxprs(eqn)
     if subs:
         costs = [jaxpr_flops(j) for j in subs]

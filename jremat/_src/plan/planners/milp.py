@@ -13,7 +13,7 @@ import numpy as np
 
 from jremat._src.plan.offload import OffloadCost
 from jremat._src.plan.plan import Plan
-from jremat._src.plan.planners.highs import quiet_stdout
+from jremat._src.plan.planners.highs import mip_solver
 from jremat._src.plan.planners.model import (
     OnSegmentModel,
     SegmentModel,
@@ -159,15 +159,7 @@ class MILPPlanner(OnSegmentModel):
         lp.integrality_ = [highspy.HighsVarType.kInteger] * E + [
             highspy.HighsVarType.kContinuous
         ] * m
-        with quiet_stdout():  # HiGHS prints a banner to fd 1 when constructed
-            h = highspy.Highs()
-        h.setOptionValue("output_flag", False)
-        h.setOptionValue("threads", 1)
-        h.setOptionValue("random_seed", 0)
-        if self.max_nodes is not None:
-            h.setOptionValue("mip_max_nodes", int(self.max_nodes))
-        if self.time_limit is not None and np.isfinite(self.time_limit):
-            h.setOptionValue("time_limit", float(self.time_limit))
+        h = mip_solver(self.max_nodes, self.time_limit)
         h.passModel(lp)
         start = self._warm_start(edges, model_budget)
         if start is not None:

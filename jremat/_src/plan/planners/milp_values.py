@@ -43,7 +43,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from jremat._src.plan.plan import Plan
-from jremat._src.plan.planners.highs import quiet_stdout
+from jremat._src.plan.planners.highs import mip_solver
 from jremat._src.plan.planners.model import Segments, check_model_budget, within_budget
 from jremat._src.plan.planners.save_sets import Pieces, SaveSetPricer, pieces_plan
 from jremat._src.plan.planners.segments import option_pieces, segment_table
@@ -289,14 +289,8 @@ class PerValueMILP:
         kinds = highspy.HighsVarType
         lp.integrality_ = [kinds.kInteger if i else kinds.kContinuous for i in cols_int]
         self.num_binaries = sum(cols_int)
-        with quiet_stdout():  # HiGHS prints a banner to fd 1 when constructed
-            h = highspy.Highs()
-        h.setOptionValue("output_flag", False)
-        h.setOptionValue("threads", 1)
-        h.setOptionValue("random_seed", 0)
+        h = mip_solver(self.max_nodes)
         h.setOptionValue("mip_rel_gap", PROVEN_GAP)  # HiGHS stops at 1e-4 by default
-        if self.max_nodes is not None:
-            h.setOptionValue("mip_max_nodes", int(self.max_nodes))
         h.passModel(lp)
         start = self._start(start, B, edges, S, nvar) if self.warm_start and start else None
         if start is not None:
