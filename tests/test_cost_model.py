@@ -157,6 +157,21 @@ COUNTED_APART = {
     "pow_minus_3": (lambda a: jax.lax.integer_pow(a, -3), (4, 64)),
     "pow_1": (lambda a: jax.lax.integer_pow(a, 1), (4, 64)),
     "sigmoid": (jax.nn.sigmoid, (4, 64)),
+    "sum_of_an_empty_axis": (lambda a: jnp.sum(a, 1), (4, 0, 3)),
+    "general_reduce": (
+        lambda a: jax.lax.reduce(a, 0.0, lambda x, z: x * 2 + z, (1, 2)),
+        (2, 9, 9, 3),
+    ),
+    "general_tuple_reduce": (
+        lambda a: jax.lax.reduce(
+            (a, a), (0.0, 0.0), lambda x, z: (x[0] + z[0], jnp.maximum(x[1], z[1])), (1,)
+        ),
+        (2, 9, 9, 3),
+    ),
+    "general_reduce_window": (
+        lambda a: jax.lax.reduce_window(a, 1.0, jax.lax.mul, (1, 3, 3, 1), (1, 2, 2, 1), "SAME"),
+        (2, 9, 9, 3),
+    ),
     "avg_pool": (
         lambda a: jax.lax.reduce_window(a, 0.0, jax.lax.add, (1, 2, 2, 1), (1, 2, 2, 1), "VALID"),
         (2, 9, 9, 3),

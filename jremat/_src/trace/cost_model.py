@@ -34,10 +34,11 @@ REDUCTIONS = frozenset(
     cumsum cumprod cummax cummin cumlogsumexp reduce_precision""".split()
 )
 #: Reductions XLA counts as one operation per input element folded into another: input
-#: elements minus output elements (a sum of 4 x 64 over its rows: 192).
+#: elements minus output elements (a sum of 4 x 64 over its rows: 192; none over an empty
+#: axis). A general `lax.reduce` counts its body's FLOPs per fold.
 FOLDS = frozenset("reduce_sum reduce_max reduce_min reduce_prod reduce_and reduce_or".split())
 #: Windowed reductions (pooling): window elements - 1 operations per output element, padding
-#: taps included, as XLA counts them.
+#: taps included, as XLA counts them; a general `lax.reduce_window` its body's FLOPs each.
 WINDOW_FOLDS = frozenset("reduce_window_sum reduce_window_max reduce_window_min".split())
 #: Operations per element where XLA expands a primitive into several (on every backend:
 #: `logistic` is 1 / (1 + exp(-x)), a transcendental and three operations).
@@ -130,11 +131,14 @@ def eqn_flops(eqn: Any) -> float:
         return conv_flops(eqn)
     if name in MOVEMENT:
         return 0.0
-    if name in FOLDS:
-        return float(_size(eqn.invars[0].aval) - _size(eqn.outvars[0].aval))
-    if name in WINDOW_FOLDS:
+    if name in FOLDS or name == "reduce":
+        # a general `lax.reduce` applies its body once per fold (per operand of a tuple)
+        per = 1.0 if name in FOLDS else sum(jaxpr_flops(j) for j in _compat.subjaxprs(eqn))
+        return per * max(_size(eqn.invars[0].aval) - _size(eqn.outvars[0].aval), 0)
+    if name in WINDOW_FOLDS or name == "reduce_window":
+        per = 1.0 if name in WINDOW_FOLDS else sum(jaxpr_flops(j) for j in _compat.subjaxprs(eqn))
         window = int(np.prod(eqn.params["window_dimensions"], dtype=np.int64))
-        return float(_size(eqn.outvars[0].aval) * (window - 1))
+        return per * _size(eqn.outvars[0].aval) * max(window - 1, 0)
     if name in REDUCTIONS:
         return float(sum(_size(v.aval) for v in eqn.invars))
     if name == "integer_pow":
