@@ -87,7 +87,9 @@ def conv_flops(eqn: Any) -> float:
     input, as XLA's `HloCostAnalysis` counts them (taps on the padding or between the
     elements of a dilated input are not computed): 2 * batch / batch groups * output
     features * input features / feature groups * the product over spatial dimensions of
-    `_window_taps`."""
+    `_window_taps`. (XLA:CPU rewrites a convolution whose batch groups equal its output
+    features, a depthwise convolution's weight gradient, into an ungrouped one and counts
+    that: 8-12x this figure there.)"""
     lhs, rhs = eqn.invars[0].aval.shape, eqn.invars[1].aval.shape
     out = eqn.outvars[0].aval.shape
     dn = eqn.params["dimension_numbers"]
@@ -115,7 +117,7 @@ def conv_flops(eqn: Any) -> float:
 
 def integer_pow_multiplies(y: int) -> int:
     """Operations per element of `x ** y` as JAX lowers it, by squaring and multiplying
-    (one more, a reciprocal, for y < 0): 0 for y in (0, 1), 2 for 3, 6 for 15."""
+    (one more, a reciprocal, for y < 0): 0 for y = 0 or 1, 2 for 3, 6 for 15."""
     n = abs(int(y))
     ops = max(n.bit_length() - 1, 0) + max(bin(n).count("1") - 1, 0)
     return ops + (y < 0)
