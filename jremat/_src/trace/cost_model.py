@@ -29,9 +29,10 @@ MOVEMENT = frozenset(
     dynamic_slice dynamic_update_slice concatenate pad copy copy_p gather iota rev device_put
     sharding_constraint random_wrap random_unwrap split mesh_cast stop_gradient""".split()
 )
+#: Counted one FLOP per input element (approximate: XLA's count depends on how a backend
+#: lowers them, docs/design.md#tracing-and-the-cost-model).
 REDUCTIONS = frozenset(
-    """reduce_sum reduce_max reduce_min reduce_prod reduce_and reduce_or argmax argmin
-    cumsum cumprod cummax cummin cumlogsumexp reduce_precision""".split()
+    "argmax argmin cumsum cumprod cummax cummin cumlogsumexp reduce_precision".split()
 )
 #: Reductions XLA counts as one operation per input element folded into another: input
 #: elements minus output elements (a sum of 4 x 64 over its rows: 192; none over an empty
