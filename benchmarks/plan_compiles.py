@@ -85,18 +85,19 @@ def main() -> None:
         "--set",
         action="append",
         default=[],
-        help="NAME=0|1: a flag of search/solve.py; predicted.NAME=x: a constant of "
-        "search/predicted.py",
+        help="NAME=x: a flag (0|1) or constant of search/solve.py; predicted.NAME=x: a "
+        "constant of search/predicted.py",
     )
     a = ap.parse_args()
     for item in a.set:
         name, _, value = item.partition("=")
-        module, name, cast = (
-            (predicted, name[len("predicted.") :], float)
+        module, name = (
+            (predicted, name[len("predicted.") :])
             if name.startswith("predicted.")
-            else (solve_module, name, lambda v: bool(int(v)))
+            else (solve_module, name)
         )
-        getattr(module, name)  # an unknown name raises here
+        current = getattr(module, name)  # an unknown name raises here
+        cast = (lambda v: bool(int(v))) if isinstance(current, bool) else type(current)
         setattr(module, name, cast(value))
     if a.full_search:
         solve_module.BEST_FIRST_LOOPS = solve_module.BEST_FIRST_UNROLLED = False

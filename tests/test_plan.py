@@ -465,3 +465,52 @@ def test_layer_recipe_saves_memory(cache):
     p = recipe_plan(jremat.trace(m.loss, *m.args), "nothing_saveable", "layers")
     got = jremat.measure(jremat.rematerialize(m.loss, p), *m.args)
     assert got.temp_bytes < 0.6 * cache.baseline("mlp_chain").temp_bytes
+
+
+# -- the search's rounds: a plan that may save under ROUND_MIN_GAIN is not compiled -------------
+class _Rounds:
+    """A fake program and planner for `solve._rounds`: the planner's plan at a model budget
+    `b` recomputes `flops(b)` FLOPs in the model, `xla` times as many compiled, and compiles
+    to `b` temp bytes (the model's bytes exact)."""
+
+    def __init__(self, flops, xla):
+        from jremat._src.compile.program import Compiled
+
+        self.Compiled, self.flops, self.xla, self.compiled = Compiled, flops, xla, []
+        self.baseline = Compiled(temp_bytes=1000, flops=1e6, fixed_bytes=0)
+
+    def plan(self, model_budget):  # the planner
+        b = int(model_budget)
+        return Plan([Segment(0, b, "nothing_saveable")], "fp", 2000, recompute_flops=self.flops(b))
+
+    def compile_with_grad(self, plan):  # the program
+        b = plan.segments[0].end
+        self.compiled.append(b)
+        return self.Compiled(b, 1e6 + self.xla * plan.recompute_flops, fixed_bytes=0)
+
+
+@pytest.mark.parametrize(
+    ("gain", "xla", "compiled"),
+    [
+        (0.001, 1.0, [900]),  # 0.06% fewer FLOPs in the model and compiled: not compiled
+        (0.001, 2.0, [900, 1000]),  # XLA counts twice the model's: 0.12%, compiled
+        (0.0, 1.0, [900, 1000]),  # no bound
+    ],
+)
+def test_a_round_that_may_save_under_the_gain_bound_is_not_compiled(
+    monkeypatch, gain, xla, compiled
+):
+    from jremat._src.search import solve as solve_module
+
+    monkeypatch.setattr(solve_module, "ROUND_MIN_GAIN", gain)
+    # the first round (model budget 900) fits 10% under the target, not close enough; the
+    # next aim (1000) recomputes 600 FLOPs fewer in the model: 0.06% of the program's 1e6
+    fake = _Rounds(lambda b: 10_000 - 6 * (b - 900), xla)
+    found = solve_module.Candidates(1000, lambda p, c: c.flops, stage={})
+    found.stage = dict(anchors=[], floor=[], rounds=[], mixes=[], carried=[])
+    xs, ys = np.array([0.0, 1000.0]), np.array([0.0, 900.0])
+    cal = solve_module.Calibration([], False, 0.0, 2000.0, xs, ys, 1000.0, [])
+    solve_module._rounds(fake, fake, cal, found, max_rounds=2, offload=None)
+    assert fake.compiled == compiled
+    assert ("rounds end" in found.log[-1]) == (len(compiled) == 1)
+    assert found.best[2].temp_bytes == compiled[-1]

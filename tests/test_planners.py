@@ -279,6 +279,21 @@ def test_copied_model_calibrates_independently(programs):
     assert [model.predict(p) for p in plans] != before
 
 
+def test_cheapest_segments_do_not_depend_on_the_dp_threads(programs, monkeypatch):
+    """`cheapest_segments` runs its DPs in `DP_THREADS` threads: the same segments and cost
+    at every budget whatever the count (each DP's result is its own)."""
+    from jremat._src.plan.planners import model as model_module
+
+    _, prog = programs("decoder")
+    model = PLANNERS["chain"](prog.graph, max_cuts=48).model
+    budgets = [model.no_remat_peak() * f for f in (0.3, 0.45, 0.6, 0.75, 0.9)]
+    monkeypatch.setattr(model_module, "DP_THREADS", 1)
+    alone = [model.cheapest_segments(b) for b in budgets]
+    monkeypatch.setattr(model_module, "DP_THREADS", 4)
+    assert [model.cheapest_segments(b) for b in budgets] == alone
+    assert all(found is not None for found in alone[1:])
+
+
 @pytest.mark.parametrize("fraction", [0.5, 0.75])
 def test_dtr_meets_the_budget_compiled(fraction):
     """`jremat.plan(solver="dtr")` on a small decoder: the compiled program is within the

@@ -64,6 +64,12 @@ BEST_FIRST_SOLVERS = ("auto", "chain", "milp")
 #: target ends the rounds: closer plans save little recompute for another compile each.
 CLOSE_ENOUGH = 0.03
 
+#: Once a round's plan fits, the next round's plan is compiled only where the model says it
+#: recomputes at least this fraction of the unrematerialized program's compiled FLOPs fewer
+#: than the cheapest fitting round's plan (both in the model): 0.1 points of extra FLOPs,
+#: the tolerance issue 29 sets on plan quality; less is not worth a whole-program compile.
+ROUND_MIN_GAIN = 0.001
+
 
 def check_solver(solver: Any, *, none_ok: bool = False) -> None:
     """Check a `solver=` keyword: one of `SOLVERS`, or with `none_ok` also None (the default
@@ -574,17 +580,32 @@ def _rounds(
     bisection steps on their compiled temp bytes (`max_rounds` at most). They end on a plan
     that fits within `CLOSE_ENOUGH` of the target, on one the model predicts recomputes no
     less than the best fitting plan compiled (the model undercounts XLA's recompute,
-    docs/design.md#verification: a closer plan would only recompute more), or when the
+    docs/design.md#verification: a closer plan would only recompute more), on one the model
+    prices within `ROUND_MIN_GAIN` of the cheapest fitting round's plan, or when the
     bracket of model budgets is narrower than 0.5%."""
     target, base = found.target, prog.baseline
     model_budget = cal.model_budget(target)
     lo, hi = cal.model_min, math.inf  # model budgets known feasible / infeasible when compiled
+    fitting_round = _FittingRound()
     for round_ in range(max_rounds):
         candidate = planner.plan(model_budget)
         if candidate is not None and _predicted_score(base, candidate, offload) >= found.best[0]:
             found.log.append(
                 f"round {round_}: the model's plan recomputes {candidate.recompute_flops:,.0f} "
                 "FLOPs, no fewer than the best fitting plan compiled: rounds end"
+            )
+            break
+        if (
+            candidate is not None
+            and plan_key(candidate) not in found.seen
+            and fitting_round.gain(_predicted_score(base, candidate, offload))
+            < ROUND_MIN_GAIN * base.flops
+        ):
+            found.log.append(
+                f"round {round_}: the model's plan would recompute less than "
+                f"{ROUND_MIN_GAIN:.1%} of the program's FLOPs fewer than the fitting round's "
+                "(the model's difference scaled by that round's compiled over modelled "
+                "recompute): rounds end"
             )
             break
         if candidate is not None and plan_key(candidate) not in found.seen:
@@ -598,6 +619,9 @@ def _rounds(
             )
             if ok:
                 lo = max(lo, model_budget)
+                fitting_round = fitting_round.offer(
+                    _predicted_score(base, candidate, offload), found.score(candidate, c), base
+                )
             else:
                 hi = min(hi, model_budget)
             ratio = target / max(c.temp_bytes, 1)
@@ -615,6 +639,34 @@ def _rounds(
             if (hi - lo) / hi < 0.005:
                 break
         model_budget = max(nxt, cal.model_min)
+
+
+@dataclasses.dataclass(frozen=True)
+class _FittingRound:
+    """The cheapest fitting round's plan of one `_rounds` call, as the model priced it and as
+    compiled (scores: the unrematerialized program's FLOPs plus recompute), for the gain
+    `ROUND_MIN_GAIN` bounds."""
+
+    predicted: float = math.inf
+    compiled: float = math.inf
+    base_flops: float = 0.0
+
+    def offer(self, predicted: float, compiled: float, base: Compiled) -> _FittingRound:
+        """This, or the round (predicted, compiled score) where it is the cheaper."""
+        if compiled < self.compiled:
+            return _FittingRound(predicted, compiled, base.flops)
+        return self
+
+    def gain(self, predicted: float) -> float:
+        """FLOPs a plan the model prices at `predicted` may save against this round's plan in
+        the compiled program: the model's difference scaled by this plan's compiled over
+        modelled recompute (the model counts 1.8x (GPT-2) to 20x (a residual MLP, where XLA
+        duplicates recompute into fusions) fewer FLOPs than XLA); inf before any fit."""
+        if not math.isfinite(self.compiled):
+            return math.inf
+        modelled = self.predicted - self.base_flops
+        scale = (self.compiled - self.base_flops) / modelled if modelled > 0 else 1.0
+        return (self.predicted - predicted) * max(scale, 1.0)
 
 
 def _predicted_score(base: Compiled, p: Plan, offload: OffloadCost | None) -> float:

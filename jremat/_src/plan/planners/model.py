@@ -19,9 +19,11 @@ incumbent and `jremat.plan`'s floor plans use them too.
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import math
 import numbers
+import os
 from collections.abc import Callable
 
 import numpy as np
@@ -57,6 +59,11 @@ COST_TIE = 1e-9
 
 #: Budget inflations tried after the DP (largest first) to undo its per-segment rounding.
 INFLATIONS = (0.04, 0.02, 0.01)
+
+#: Threads `SegmentModel.cheapest_segments` runs its independent DPs in (NumPy releases the
+#: GIL in their array work: 1.6x on 2 CPUs). Each DP's result is its own, so the answer does
+#: not depend on the count.
+DP_THREADS = min(4, os.cpu_count() or 1)
 
 
 def first_near_min(values: np.ndarray, axis: int) -> np.ndarray:
@@ -414,19 +421,26 @@ class SegmentModel:
         corrected for its memory buckets. Raises as `checked_budget`."""
         model_budget = self.checked_budget(model_budget)
         t = self.table
-        found = within_budget(t, model_budget)
-        if found is None:
-            return None
-        best_cost = found[0]
         # Stores rounded down make the DP optimistic: a plan of it that fits exactly is at
         # least as good as the safe one, and reaches plans right at the budget. Its plans at
         # every memory level are candidates, cheapest first (a level of equal cost may hold
         # another plan, of less memory); and at a budget 1% lower, whose buckets fall
-        # elsewhere. The cheapest candidate that fits exactly wins.
+        # elsewhere. The cheapest candidate that fits exactly wins. The three DPs are
+        # independent, so they run at once.
+        deflations = (0.0, 0.01)
+        with concurrent.futures.ThreadPoolExecutor(DP_THREADS) as pool:
+            safe = pool.submit(within_budget, t, model_budget)
+            optimistic_dps = [
+                pool.submit(_bucket_dp, t, model_budget * (1 - d), False) for d in deflations
+            ]
+            found = safe.result()
+            if found is None:
+                return None
+            optimistic_frontiers = [f.result() for f in optimistic_dps]
+        best_cost = found[0]
         candidates = [found]
         tops = []  # per deflation: its top-level plan fits (None: none cheaper than the safe one)
-        for deflate in (0.0, 0.01):
-            optimistic = _bucket_dp(t, model_budget * (1 - deflate), round_up=False)
+        for optimistic in optimistic_frontiers:
             tops.append(None)
             for level in range(GRID, -1, -1) if optimistic is not None else ():
                 if not optimistic.cost[level] < best_cost:
@@ -440,10 +454,13 @@ class SegmentModel:
                     break
         # Unless a top-level optimistic plan settled it: the safe DP loses up to one bucket per
         # segment; solving at slightly inflated budgets and keeping the first cheaper result
-        # that still fits recovers most of it.
+        # that still fits recovers most of it (all solved at once, the first in order kept).
         if not (tops[0] or (tops[0] is False and tops[1])):
-            for inflate in INFLATIONS:
-                again = within_budget(t, model_budget * (1 + inflate))
+            with concurrent.futures.ThreadPoolExecutor(DP_THREADS) as pool:
+                inflated = list(
+                    pool.map(lambda x: within_budget(t, model_budget * (1 + x)), INFLATIONS)
+                )
+            for again in inflated:
                 if again is None or again[0] >= best_cost:
                     continue
                 if exact_peak(t, again[1]) <= model_budget:
