@@ -370,3 +370,28 @@ def test_a_figures_only_compile_of_arguments_sharded_over_an_abstract_mesh():
         concrete = xla.compile_jitted(jitted, (params, sharded(mesh)), figures_only=True)
     assert xla.MemoryFigures.of(cheap) == xla.MemoryFigures.of(concrete)
     assert xla.xla_flops(cheap) == xla.xla_flops(concrete) > 0
+
+
+@pytest.mark.parametrize("threads", [1, 2, 4])
+def test_a_grad_step_started_ahead_is_compiled_once_with_the_same_figure(
+    compiles, monkeypatch, threads
+):
+    """`Program.grad_step_ahead` compiles a plan's `jit(grad)` step in a background thread on
+    2-3 compile threads (none on 1; from 4 up `compile_with_grad` does it alongside): then
+    `grad_step_temp` returns the figure a program compiling it in place gets, without a
+    second compile, and `settle` ends the thread."""
+    from jremat._src.compile import program
+    from jremat._src.plan.recipes import recipe_plan
+
+    monkeypatch.setattr(program, "COMPILE_THREADS", threads)
+    loss, params, x = _mlp()
+    prog = Program(loss, (params, x), 0)
+    plan = recipe_plan(prog.graph, "nothing_saveable")
+    prog.grad_step_ahead(plan)
+    assert bool(prog._grad_ahead) == (threads == 2)
+    figure = prog.grad_step_temp(plan)  # waits for the one started, or compiles in place
+    prog.grad_step_ahead(plan)  # known: nothing more
+    prog.settle()
+    assert prog._ahead_pool is None
+    assert compiles.jremat == 1
+    assert figure == Program(loss, (params, x), 0).grad_step_temp(plan)

@@ -165,6 +165,9 @@ class Program:
         self._steps: dict[str, tuple[Compiled, Any, float]] = {}
         self._runnable: set[str] = set()  # keys of `_steps` compiled to run (`step`)
         self._grad_temps: dict[str, int] = {}
+        #: `grad_step_ahead`'s compiles in flight, by plan key, and its one worker thread
+        self._grad_ahead: dict[str, concurrent.futures.Future] = {}
+        self._ahead_pool: concurrent.futures.ThreadPoolExecutor | None = None
         self.tried: list[tuple[Plan, Compiled]] = []  # every plan compiled on this program
         self._anchors: dict = {}
         self.objective = Objective() if objective is None else objective
@@ -298,7 +301,41 @@ class Program:
         """
         if not self._grad_step_apart(plan):
             return self.compile(plan).temp_bytes
-        return self._grad_temp(plan)
+        with self._lock:
+            ahead = self._grad_ahead.get(self.program_key(plan))
+        return self._grad_temp(plan) if ahead is None else ahead.result()
+
+    def grad_step_ahead(self, plan: Plan) -> None:
+        """Start `grad_step_temp(plan)` in a background thread and return at once, where
+        plans compile in threads on 2 to `SPECULATE_THREADS` - 1 CPUs (from 4 up,
+        `compile_with_grad` compiles it alongside already) and the step is one of its own.
+        For the search's fitting round: its plan is most often the one returned, and its
+        `jit(grad)` check then compiles on the CPU the next round's planning and lowering
+        (one thread, the GIL's) leave idle, rather than after the search. `grad_step_temp`
+        waits for it (and raises what it raised); `settle` waits for every one started."""
+        if not (
+            self.threads_ok
+            and 2 <= COMPILE_THREADS < SPECULATE_THREADS
+            and self._grad_step_apart(plan)
+        ):
+            return
+        key = self.program_key(plan)
+        with self._lock:
+            if key in self._grad_temps or key in self._grad_ahead:
+                return
+            if self._ahead_pool is None:
+                self._ahead_pool = concurrent.futures.ThreadPoolExecutor(1, "jremat-grad-ahead")
+            context = contextvars.copy_context()
+            self._grad_ahead[key] = self._ahead_pool.submit(context.run, self._grad_temp, plan)
+
+    def settle(self) -> None:
+        """Wait for `grad_step_ahead`'s compiles (their errors stay with them, for a
+        `grad_step_temp` that asks) and end its thread: no compile of this program runs
+        once a search has returned."""
+        with self._lock:
+            pool, self._ahead_pool = self._ahead_pool, None
+        if pool is not None:
+            pool.shutdown(wait=True)
 
     def _grad_step_apart(self, plan: Plan | None) -> bool:
         """Whether `grad_step_temp(plan)` compiles a `jit(grad)` step of its own (see there)."""

@@ -64,12 +64,6 @@ BEST_FIRST_SOLVERS = ("auto", "chain", "milp")
 #: target ends the rounds: closer plans save little recompute for another compile each.
 CLOSE_ENOUGH = 0.03
 
-#: Once a round's plan fits, the next round's plan is compiled only where the model says it
-#: recomputes at least this fraction of the unrematerialized program's compiled FLOPs fewer
-#: than the cheapest fitting round's plan (both in the model): 0.1 points of extra FLOPs,
-#: the tolerance issue 29 sets on plan quality; less is not worth a whole-program compile.
-ROUND_MIN_GAIN = 0.001
-
 
 def check_solver(solver: Any, *, none_ok: bool = False) -> None:
     """Check a `solver=` keyword: one of `SOLVERS`, or with `none_ok` also None (the default
@@ -304,36 +298,39 @@ def solve(
     planner = prog.planner(solver, max_cuts, offload)
     if not verify:
         return _model_only(prog, spec, planner, target, meta, solver)
-    cal = _calibrate(prog, planner)
-    logger.info(
-        "baseline and %d reference plans compiled in %.1f s",
-        len(cal.anchors),
-        time.perf_counter() - t0,
-    )
-    cands = _choose(prog, planner, cal, target, score, max_rounds, carried, offload)
-    logger.info(
-        "%d rounds compiled, %.1f s since planning began",
-        len(cands.stage["rounds"]),
-        time.perf_counter() - t0,
-    )
-    # the plans that do not depend on the target: an InfeasibleBudgetError states their floor
-    target_free = [*cal.anchors, *cands.stage["floor"]]
-    if cands.best[1] is None and solver in BEST_FIRST_SOLVERS and offload is None:
-        _last_resort(prog, cands, max_cuts, target_free)
-    best = cands.best
-    if best[1] is not None:
-        best = _holds_under_grad(prog, target, best, cands.ranked())
-    logger.info(
-        "planned in %.1f s, %d programs compiled on this program so far",
-        time.perf_counter() - t0,
-        prog.compiles,
-    )
-    _, chosen, c = best
-    if chosen is None:
-        # what a new plan() call at the stated budget compiles again (not the target-driven
-        # rounds and mixes, which a larger target steers elsewhere)
-        _raise_infeasible(spec, prog, target_free)
-    return _finish_full(prog, planner, cal, chosen, c, [*cal.log, *cands.log], meta, solver)
+    try:
+        cal = _calibrate(prog, planner)
+        logger.info(
+            "baseline and %d reference plans compiled in %.1f s",
+            len(cal.anchors),
+            time.perf_counter() - t0,
+        )
+        cands = _choose(prog, planner, cal, target, score, max_rounds, carried, offload)
+        logger.info(
+            "%d rounds compiled, %.1f s since planning began",
+            len(cands.stage["rounds"]),
+            time.perf_counter() - t0,
+        )
+        # the plans that do not depend on the target: an InfeasibleBudgetError states their floor
+        target_free = [*cal.anchors, *cands.stage["floor"]]
+        if cands.best[1] is None and solver in BEST_FIRST_SOLVERS and offload is None:
+            _last_resort(prog, cands, max_cuts, target_free)
+        best = cands.best
+        if best[1] is not None:
+            best = _holds_under_grad(prog, target, best, cands.ranked())
+        logger.info(
+            "planned in %.1f s, %d programs compiled on this program so far",
+            time.perf_counter() - t0,
+            prog.compiles,
+        )
+        _, chosen, c = best
+        if chosen is None:
+            # what a new plan() call at the stated budget compiles again (not the target-driven
+            # rounds and mixes, which a larger target steers elsewhere)
+            _raise_infeasible(spec, prog, target_free)
+        return _finish_full(prog, planner, cal, chosen, c, [*cal.log, *cands.log], meta, solver)
+    finally:
+        prog.settle()  # no `jit(grad)` compile started ahead outlives the search
 
 
 def _score(offload: OffloadCost | None, p: Plan, c: Compiled) -> float:
@@ -580,13 +577,11 @@ def _rounds(
     bisection steps on their compiled temp bytes (`max_rounds` at most). They end on a plan
     that fits within `CLOSE_ENOUGH` of the target, on one the model predicts recomputes no
     less than the best fitting plan compiled (the model undercounts XLA's recompute,
-    docs/design.md#verification: a closer plan would only recompute more), on one the model
-    prices within `ROUND_MIN_GAIN` of the cheapest fitting round's plan, or when the
+    docs/design.md#verification: a closer plan would only recompute more), or when the
     bracket of model budgets is narrower than 0.5%."""
     target, base = found.target, prog.baseline
     model_budget = cal.model_budget(target)
     lo, hi = cal.model_min, math.inf  # model budgets known feasible / infeasible when compiled
-    fitting_round = _FittingRound()
     for round_ in range(max_rounds):
         candidate = planner.plan(model_budget)
         if candidate is not None and _predicted_score(base, candidate, offload) >= found.best[0]:
@@ -595,33 +590,19 @@ def _rounds(
                 "FLOPs, no fewer than the best fitting plan compiled: rounds end"
             )
             break
-        if (
-            candidate is not None
-            and plan_key(candidate) not in found.seen
-            and fitting_round.gain(_predicted_score(base, candidate, offload))
-            < ROUND_MIN_GAIN * base.flops
-        ):
-            found.log.append(
-                f"round {round_}: the model's plan would recompute less than "
-                f"{ROUND_MIN_GAIN:.1%} of the program's FLOPs fewer than the fitting round's "
-                "(the model's difference scaled by that round's compiled over modelled "
-                "recompute): rounds end"
-            )
-            break
         if candidate is not None and plan_key(candidate) not in found.seen:
             found.seen.add(plan_key(candidate))
             c = prog.compile_with_grad(candidate)  # a round's plan is often the one returned
             found.stage["rounds"].append((candidate, c))
             ok = found.offer(candidate, c)
+            if ok and found.best[1] is candidate:  # the plan to return, unless a later beats it
+                prog.grad_step_ahead(candidate)
             found.log.append(
                 f"round {round_}: model budget {model_budget:,.0f} -> compiled temp "
                 f"{c.temp_bytes:,} ({'fits' if ok else 'over'})"
             )
             if ok:
                 lo = max(lo, model_budget)
-                fitting_round = fitting_round.offer(
-                    _predicted_score(base, candidate, offload), found.score(candidate, c), base
-                )
             else:
                 hi = min(hi, model_budget)
             ratio = target / max(c.temp_bytes, 1)
@@ -639,34 +620,6 @@ def _rounds(
             if (hi - lo) / hi < 0.005:
                 break
         model_budget = max(nxt, cal.model_min)
-
-
-@dataclasses.dataclass(frozen=True)
-class _FittingRound:
-    """The cheapest fitting round's plan of one `_rounds` call, as the model priced it and as
-    compiled (scores: the unrematerialized program's FLOPs plus recompute), for the gain
-    `ROUND_MIN_GAIN` bounds."""
-
-    predicted: float = math.inf
-    compiled: float = math.inf
-    base_flops: float = 0.0
-
-    def offer(self, predicted: float, compiled: float, base: Compiled) -> _FittingRound:
-        """This, or the round (predicted, compiled score) where it is the cheaper."""
-        if compiled < self.compiled:
-            return _FittingRound(predicted, compiled, base.flops)
-        return self
-
-    def gain(self, predicted: float) -> float:
-        """FLOPs a plan the model prices at `predicted` may save against this round's plan in
-        the compiled program: the model's difference scaled by this plan's compiled over
-        modelled recompute (the model counts 1.8x (GPT-2) to 20x (a residual MLP, where XLA
-        duplicates recompute into fusions) fewer FLOPs than XLA); inf before any fit."""
-        if not math.isfinite(self.compiled):
-            return math.inf
-        modelled = self.predicted - self.base_flops
-        scale = (self.compiled - self.base_flops) / modelled if modelled > 0 else 1.0
-        return (self.predicted - predicted) * max(scale, 1.0)
 
 
 def _predicted_score(base: Compiled, p: Plan, offload: OffloadCost | None) -> float:
