@@ -6,6 +6,7 @@ test_planners_exhaustive.py."""
 
 from __future__ import annotations
 
+import math
 import re
 
 import jax
@@ -14,6 +15,7 @@ import numpy as np
 import pytest
 
 import jremat
+import jremat.models
 from jremat._src.base.budget import parse_budget
 from jremat._src.compile.program import Program
 from jremat._src.plan.planners import PLANNERS
@@ -277,6 +279,23 @@ def test_copied_model_calibrates_independently(programs):
     assert [planner.model.predict(p) for p in plans] == before
     assert planner.model.weights is None and planner.table is planner.model.raw_table
     assert [model.predict(p) for p in plans] != before
+
+
+def test_the_unrematerialized_peak_as_budget_recomputes_nothing():
+    """At a model budget of the unrematerialized program's own modelled peak (and at +inf,
+    read as that peak) the chain DP's plan recomputes nothing, whatever the fit's scale:
+    its top memory level is the budget itself, not GRID * (budget / GRID), which float
+    rounding put below it (found by helper-8: the zoo's MLP after `fit_unrematerialized`
+    at 1.37, a plan recomputing 1.8 MFLOPs)."""
+    from jremat._src.plan.planners import SegmentModel
+
+    w = jremat.models.get("mlp")
+    model = SegmentModel(jremat.trace(w.loss, w.params, w.batch), max_cuts=160)
+    raw_peak = model.no_remat_peak()
+    for scale in (1.0, 1.1, 1.37, 2.3):
+        model.fit_unrematerialized(raw_peak * scale)
+        for budget in (model.no_remat_peak(), math.inf):
+            assert model.cheapest_segments(budget)[0] == 0.0, (scale, budget)
 
 
 def test_cheapest_segments_do_not_depend_on_the_dp_threads(programs, monkeypatch):

@@ -189,6 +189,7 @@ def _bucket_dp(t: SegmentTable, budget: float, round_up: bool) -> _Frontier | No
     q = budget / GRID
     width = GRID + 1  # memory levels 0..GRID buckets
     levels = np.arange(width) * q  # memory available at each bucket
+    levels[-1] = budget  # GRID * (budget / GRID) may round below the budget itself
     inf = np.inf
     # F[state, b, L], the cheapest suffix from cut b in `state` with L buckets left, sits after
     # `width` columns of inf, so F[state, b, L - s] for every level L (inf where L < s) is one
