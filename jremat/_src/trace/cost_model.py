@@ -135,13 +135,12 @@ def eqn_flops(eqn: Any) -> float:
     if name in MOVEMENT:
         return 0.0
     if name in FOLDS or name == "reduce":
-        # a general `lax.reduce` applies its body once per fold (per operand of a tuple)
-        per = 1.0 if name in FOLDS else sum(jaxpr_flops(j) for j in _compat.subjaxprs(eqn))
-        return per * max(_size(eqn.invars[0].aval) - _size(eqn.outvars[0].aval), 0)
+        folds = max(_size(eqn.invars[0].aval) - _size(eqn.outvars[0].aval), 0)
+        return _flops_per_fold(eqn, name in FOLDS) * folds
     if name in WINDOW_FOLDS or name == "reduce_window":
-        per = 1.0 if name in WINDOW_FOLDS else sum(jaxpr_flops(j) for j in _compat.subjaxprs(eqn))
         window = int(np.prod(eqn.params["window_dimensions"], dtype=np.int64))
-        return per * _size(eqn.outvars[0].aval) * max(window - 1, 0)
+        folds = _size(eqn.outvars[0].aval) * max(window - 1, 0)
+        return _flops_per_fold(eqn, name in WINDOW_FOLDS) * folds
     if name in REDUCTIONS:
         return float(sum(_size(v.aval) for v in eqn.invars))
     if name == "integer_pow":
@@ -159,6 +158,12 @@ def eqn_flops(eqn: Any) -> float:
             return costs[0]
         return float(sum(costs))
     return float(sum(_size(v.aval) for v in eqn.outvars))
+
+
+def _flops_per_fold(eqn: Any, builtin: bool) -> float:
+    """FLOPs of one fold of a reduction: 1 for a built-in one (`FOLDS`, `WINDOW_FOLDS`); a
+    general `lax.reduce` / `lax.reduce_window` applies its body (per operand of a tuple)."""
+    return 1.0 if builtin else sum(jaxpr_flops(j) for j in _compat.subjaxprs(eqn))
 
 
 def jaxpr_flops(jaxpr: Any) -> float:
