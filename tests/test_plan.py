@@ -514,3 +514,32 @@ def test_each_rounds_plan_that_fits_and_is_the_cheapest_so_far_has_its_grad_step
 def _fitting_anchor(fake, temp, flops):
     plan = Plan([Segment(0, temp, "dots_saveable")], "fp", 2000, recompute_flops=flops)
     return plan, fake.Compiled(temp, 1e6 + flops, fixed_bytes=0)
+
+
+def test_the_baseline_fitted_models_plans_only_add_candidates(monkeypatch):
+    """Where the calibrated model misread its rounds, the planner fitted to the compiled
+    baseline alone adds its plans after them (`solve._second_opinion`, asked here whatever the
+    read): the candidates only grow, so the plan returned fits and recomputes no more than
+    without them, for more compiles."""
+    import models as M
+
+    from jremat._src.base.budget import parse_budget
+    from jremat._src.compile import program
+    from jremat._src.compile.program import Program
+    from jremat._src.search import solve
+
+    # as on a machine of 2 CPUs: no round compiles its jit(grad) step ahead
+    monkeypatch.setattr(program, "COMPILE_THREADS", min(program.COMPILE_THREADS, 2))
+    monkeypatch.setattr(solve, "SECOND_GATE", 0.0)
+    model = M.decoder(depth=4, d=64, seq=64, batch=8)
+    got = {}
+    for on in (False, True):
+        monkeypatch.setattr(solve, "BASELINE_FIT_SHOT", on)
+        prog = Program(model.loss, model.args, 0)
+        got[on] = (solve.solve(prog, parse_budget(0.5), solver=M.SOLVER), prog.compiles)
+    (plan, compiles), (without, fewer) = got[True], got[False]
+    assert any(line.startswith("baseline-fitted model") for line in plan.notes), plan.notes
+    assert not any(line.startswith("baseline-fitted model") for line in without.notes)
+    assert plan.measured_temp_bytes <= 0.5 * plan.baseline_temp_bytes
+    assert plan.measured_flops <= without.measured_flops
+    assert compiles > fewer
