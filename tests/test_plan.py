@@ -518,7 +518,7 @@ def _fitting_anchor(fake, temp, flops):
 
 def test_the_baseline_fitted_models_plans_only_add_candidates(monkeypatch):
     """Where the calibrated model misread its rounds, the planner fitted to the compiled
-    baseline alone adds its plans after them (`solve._second_opinion`, asked here whatever the
+    baseline alone adds its plans after them (`solve._second_model`, asked here whatever the
     read): the candidates only grow, so the plan returned fits and recomputes no more than
     without them, for more compiles."""
     import models as M

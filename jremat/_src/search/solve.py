@@ -60,10 +60,11 @@ NO_RECOMPUTE_FIRST = True
 #: The solvers the best-first search runs for: the exact ones ("auto" picks one of them).
 BEST_FIRST_SOLVERS = ("auto", "chain", "milp")
 #: The full search also compiles the plan of the model fitted to the baseline alone, aimed at
-#: the target (`_second_opinion`), among its candidates.
+#: the target (`_second_model`), among its candidates.
 BASELINE_FIT_SHOT = True
-#: Rounds of the baseline-fitted model where it read its plan closer than the calibrated model
-#: read its rounds, by this margin (log distance of compiled over predicted temp bytes).
+#: Rounds of the baseline-fitted model (`_second_model`) where it read its plan closer than the
+#: calibrated model read its rounds, by this margin (log distance of compiled over predicted
+#: temp bytes).
 SECOND_ROUNDS = 2
 #: The second model is asked only where the calibrated model's rounds read their compiled temp
 #: off by more than this, at their median (log distance, about 10%): elsewhere it costs no
@@ -469,8 +470,9 @@ class Candidates:
       target: the budget in compiled temp bytes.
       score: a compiled plan's score (`_score`).
       stage: (plan, figures) compiled by each stage: "anchors" (`_calibrate`'s), "floor"
-        (fixed model budgets and refinement), "rounds", "mixes", "carried" (the best-first
-        search's, handed over).
+        (fixed model budgets and refinement), "rounds", "second" (`_second_model`'s plans
+        that joined the candidates), "mixes", "carried" (the best-first search's, handed
+        over).
       best: (score, plan, figures) of the cheapest fitting plan offered so far, or
         `(inf, None, None)`.
       seen: plan keys compiled (or skipped) by this call's floor plans and rounds.
@@ -493,7 +495,7 @@ class Candidates:
 
     def ranked(self) -> list[tuple[float, Plan, Compiled]]:
         """Every plan of this call as (score, plan, figures), for `_holds_under_grad`."""
-        order = ("anchors", "rounds", "mixes", "floor", "carried")
+        order = ("anchors", "rounds", "second", "mixes", "floor", "carried")
         return [(self.score(p, c), p, c) for k in order for p, c in self.stage[k]]
 
 
@@ -514,13 +516,13 @@ def _choose(
     floor plans at fixed model budgets (`_floor_plan`); rounds towards the target (`_rounds`,
     up to `max_rounds` compiles); where the calibrated model misread its rounds, the plans of
     the planner fitted to the baseline alone (`second()`, built only then:
-    `_second_opinion`); mixes of the compiled recipes (`mixing.search`); below every
+    `_second_model`); mixes of the compiled recipes (`mixing.search`); below every
     reference and floor plan, refinement (`refine.floor_candidates`). `carried` (the
     best-first search's compiles) are candidates too."""
     found = Candidates(
         target,
         score,
-        stage=dict(anchors=cal.anchors, floor=[], rounds=[], mixes=[], carried=carried),
+        stage=dict(anchors=cal.anchors, floor=[], rounds=[], second=[], mixes=[], carried=carried),
         seen={plan_key(p) for p, _ in cal.anchors},
         log=[],
     )
@@ -540,20 +542,13 @@ def _choose(
                 f"floor: model budget {cal.model_min * factor:,.0f}",
             )
     _rounds(prog, planner, cal, found, max_rounds if fitting else min(max_rounds, 2), offload)
-    # after the rounds, so that they run as without it (the candidates only grow), and only
-    # where the calibrated model misread its rounds
-    miss = _median_miss(planner, found.stage["rounds"])
-    if second is not None and miss > SECOND_GATE:
-        fitted = second()
-        second_cal = _second_opinion(prog, fitted, cal, found)
-        if second_cal is not None and _reads_closer(fitted, miss, found):
-            # it read its plan closer than the calibrated model read its rounds: its own
-            # rounds, from where its plan compiled
-            _rounds(prog, fitted, second_cal, found, SECOND_ROUNDS, offload, aim=SECOND_AIM)
+    bar = found.best[0]  # the mixes' bar: as without the second model's plans
+    if second is not None:
+        _second_model(prog, second, planner, cal, found, offload)
     # mixes of the compiled recipes (some layers or scan iterations under each of two)
-    found.stage["mixes"] = mixing.search(prog, target, found.best[0], close_enough=CLOSE_ENOUGH)
+    found.stage["mixes"] = mixing.search(prog, target, bar, close_enough=CLOSE_ENOUGH)
     # only plans of this call count (not those another budget compiled on this program)
-    for k in ("rounds", "mixes", "floor", "carried"):
+    for k in ("rounds", "second", "mixes", "floor", "carried"):
         for p, c in found.stage[k]:
             found.offer(p, c, copied=True)
     if target < min(c.temp_bytes for _, c in [*cal.anchors, *found.stage["floor"]]):
@@ -605,58 +600,106 @@ def _floor_plan(prog: Program, found: Candidates, candidate: Plan | None, label:
     found.offer(candidate, c)
 
 
-def _second_opinion(
-    prog: Program, second: Any, cal: Calibration, found: Candidates
-) -> Calibration | None:
-    """One plan of a second model, the planner fitted to the compiled baseline alone
-    (`SegmentModel.fit_unrematerialized`), at the model budget its reading of the compiled
-    reference plans maps the target to. The calibrated model's scale per save option is
-    fitted on per-layer plans and can misrank the mixed plans the DP makes: on
-    `benchmarks/vs_pytorch.py`'s GPT (jax 0.10) at 29.8% of the unrematerialized temp its
-    rounds settled on +10.7% extra FLOPs where the baseline-fitted DP's plan at the same
-    compiled temp recomputes +7.6% (docs/design.md#the-full-search). A candidate like any
-    other: returned only where it fits and recomputes less. Returns the second model's map
-    from compiled to model bytes (its plan's figures included), for its own rounds."""
-    points = {(c.temp_bytes, second.model.predict(p)) for p, c in cal.anchors} | {
-        (prog.baseline.temp_bytes, second.no_remat_peak())
+def _second_model(
+    prog: Program,
+    second: Callable[[], Any],
+    planner: Any,
+    cal: Calibration,
+    found: Candidates,
+    offload: OffloadCost | None,
+) -> None:
+    """Stage 4b continued, after the calibrated rounds: the plans of a second model, the
+    planner fitted to the compiled baseline alone (`second()`,
+    `SegmentModel.fit_unrematerialized`), where the calibrated model misread its rounds.
+
+    The calibrated model's scale per save option is fitted on per-layer plans and can
+    misrank the mixed plans the DP makes: on `benchmarks/vs_pytorch.py`'s GPT (jax 0.10) at
+    29.8% of the unrematerialized temp its rounds settled on +10.7% extra FLOPs where the
+    baseline-fitted DP's plan at the same compiled temp recomputes +7.6%
+    (docs/design.md#the-full-search). Where the rounds' compiled temp was off their
+    prediction by more than `SECOND_GATE` (median), its plan at the model budget its reading
+    of the compiled reference plans maps the target to is compiled; where it read that plan
+    closer than the calibrated model read its rounds (`SECOND_READ_MARGIN`), up to
+    `SECOND_ROUNDS` rounds of its own follow, aimed at `SECOND_AIM` of the target. A plan of
+    these joins the candidates only where it fits, scores below the best so far and its
+    `jit(grad)` step fits too, so the plan returned is never one that recomputes more than
+    without them (the mixes keep the rounds' bar)."""
+    rounds = found.stage["rounds"]
+    miss = float(np.median([_miss(planner, cal, p, c) for p, c in rounds])) if rounds else 0.0
+    if miss <= SECOND_GATE:
+        return
+    fitted = second()
+    scale = (fitted.model.weights or {}).get("keep", 1.0)
+    if not 1 / predicted.FIT_SCALE_LIMIT <= scale <= predicted.FIT_SCALE_LIMIT:
+        return  # it misreads the unrematerialized program itself (the aimed search's rule)
+    points = {(c.temp_bytes, fitted.model.predict(p)) for p, c in cal.anchors} | {
+        (prog.baseline.temp_bytes, fitted.no_remat_peak())
     }
     model_budget = float(np.interp(found.target, *_bytes_map(points)))
-    candidate = second.plan(model_budget)
+    candidate = fitted.plan(model_budget)
     if candidate is None or plan_key(candidate) in found.seen:
-        return None
+        return
     found.seen.add(plan_key(candidate))
     c = prog.compile_with_grad(candidate)
-    found.stage["rounds"].append((candidate, c))
-    ok = found.offer(candidate, c)
-    if ok and found.best[1] is candidate:
-        prog.grad_step_ahead(candidate)
+    ok = _offer_checked(prog, found, candidate, c)
     found.log.append(
         f"baseline-fitted model: budget {model_budget:,.0f} -> compiled temp "
         f"{c.temp_bytes:,} ({'fits' if ok else 'over'})"
     )
+    if _miss(fitted, None, candidate, c) + SECOND_READ_MARGIN >= miss:
+        return
+    # it read its plan closer than the calibrated model read its rounds: its own rounds, from
+    # where its plan compiled (the bracket seeded with it)
     xs, ys = _bytes_map(points | {(c.temp_bytes, candidate.predicted_temp_bytes)})
-    model_min = second.min_memory_plan().predicted_temp_bytes
-    return dataclasses.replace(
-        cal, model_min=model_min, model_none=second.no_remat_peak(), xs=xs, ys=ys, log=[]
+    own = dataclasses.replace(
+        cal,
+        fitted=True,
+        model_min=fitted.min_memory_plan().predicted_temp_bytes,
+        model_none=fitted.no_remat_peak(),
+        xs=xs,
+        ys=ys,
+        log=[],
+    )
+    bracket = {"lo": model_budget} if ok else {"hi": model_budget}
+    _rounds(
+        prog,
+        fitted,
+        own,
+        found,
+        SECOND_ROUNDS,
+        offload,
+        aim=SECOND_AIM,
+        stage="second",
+        offer=lambda p, c: _offer_checked(prog, found, p, c),
+        **bracket,
     )
 
 
-def _miss(model: Any, p: Plan, c: Compiled) -> float:
-    """How far `model` read plan `p` compiled as `c`: |log(compiled / predicted temp bytes)|."""
+def _offer_checked(prog: Program, found: Candidates, plan: Plan, c: Compiled) -> bool:
+    """Offer a second-model plan: it joins the candidates (stage "second") only where it
+    fits, scores below the best so far and its `jit(grad)` step fits too (checked here, so
+    that it takes none of `_holds_under_grad`'s tries from the plans it checked before).
+    Returns whether its `value_and_grad` step fits (for the rounds' bracket)."""
+    fits = c.temp_bytes <= found.target
+    if fits and found.score(plan, c) < found.best[0]:
+        if prog.grad_step_temp(plan) <= found.target:
+            found.stage["second"].append((plan, c))
+            found.offer(plan, c)
+        else:
+            found.log.append(f"a baseline-fitted plan's jit(grad) step misses {found.target:,.0f}")
+    return fits
+
+
+def _miss(model: Any, cal: Calibration | None, p: Plan, c: Compiled) -> float:
+    """How far `model` read plan `p` compiled as `c`: |log(compiled / predicted)| temp bytes,
+    the prediction mapped to compiled bytes through `cal` where the model was not fitted
+    (its rounds are aimed through that map); inf where it cannot say."""
     predicted = model.model.predict(p)
-    return abs(math.log(c.temp_bytes / predicted)) if predicted else math.inf
-
-
-def _median_miss(planner: Any, compiled: list[tuple[Plan, Compiled]]) -> float:
-    """The median of `_miss` over `compiled` (0 for none)."""
-    return float(np.median([_miss(planner, p, c) for p, c in compiled])) if compiled else 0.0
-
-
-def _reads_closer(second: Any, miss: float, found: Candidates) -> bool:
-    """Whether the second model read its plan (the last compiled) closer than `miss`, the
-    calibrated model's median over its rounds, by at least `SECOND_READ_MARGIN`."""
-    p, c = found.stage["rounds"][-1]
-    return _miss(second, p, c) + SECOND_READ_MARGIN < miss
+    if predicted and cal is not None and not cal.fitted:
+        predicted = float(np.interp(predicted, cal.ys, cal.xs))
+    if not predicted or predicted <= 0 or c.temp_bytes <= 0:
+        return math.inf
+    return abs(math.log(c.temp_bytes / predicted))
 
 
 def _rounds(
@@ -667,16 +710,24 @@ def _rounds(
     max_rounds: int,
     offload: OffloadCost | None,
     aim: float = 1.0,
+    stage: str = "rounds",
+    offer: Callable[[Plan, Compiled], bool] | None = None,
+    lo: float | None = None,
+    hi: float = math.inf,
 ) -> None:
     """The planner's plans at model budgets moved towards `aim` times `found.target` by
     secant and bisection steps on their compiled temp bytes (`max_rounds` at most). They end
     on a plan that fits within `CLOSE_ENOUGH` of the target, on one the model predicts
     recomputes no less than the best fitting plan compiled (the model undercounts XLA's
     recompute, docs/design.md#verification: a closer plan would only recompute more), or
-    when the bracket of model budgets is narrower than 0.5%."""
+    when the bracket of model budgets is narrower than 0.5%. `stage`, `offer` (default
+    `found.offer`), `lo` and `hi` (the model budgets known to fit / miss) serve the second
+    model's rounds (`_second_model`)."""
     target, base = found.target, prog.baseline
     model_budget = cal.model_budget(aim * target)
-    lo, hi = cal.model_min, math.inf  # model budgets known feasible / infeasible when compiled
+    # model budgets known feasible / infeasible when compiled
+    lo = cal.model_min if lo is None else lo
+    offer = found.offer if offer is None else offer
     for round_ in range(max_rounds):
         candidate = planner.plan(model_budget)
         if candidate is not None and _predicted_score(base, candidate, offload) >= found.best[0]:
@@ -688,8 +739,9 @@ def _rounds(
         if candidate is not None and plan_key(candidate) not in found.seen:
             found.seen.add(plan_key(candidate))
             c = prog.compile_with_grad(candidate)  # a round's plan is often the one returned
-            found.stage["rounds"].append((candidate, c))
-            ok = found.offer(candidate, c)
+            if stage == "rounds":
+                found.stage["rounds"].append((candidate, c))
+            ok = offer(candidate, c)
             if ok and found.best[1] is candidate:  # the plan to return, unless a later beats it
                 prog.grad_step_ahead(candidate)
             found.log.append(
