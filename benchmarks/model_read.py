@@ -52,10 +52,8 @@ def main() -> None:
     w = jremat.models.get(a.model)
     prog = Program(w.loss, (w.params, w.batch), 0)
     base = prog.baseline
-    planner = prog.planner("chain", a.max_cuts)
-    if a.fit == "baseline":
-        planner.model.fit_unrematerialized(base.temp_bytes)
-    elif a.fit == "full":
+    planner = prog.planner("chain", a.max_cuts, baseline_fit=a.fit == "baseline")
+    if a.fit == "full":
         print("; ".join(solve_module._calibrate(prog, planner).log) or "not fitted")
     none = planner.no_remat_peak()
     fractions = (

@@ -669,7 +669,6 @@ def _second_model(
         SECOND_ROUNDS,
         offload,
         aim=SECOND_AIM,
-        stage="second",
         offer=lambda p, c: _offer_checked(prog, found, p, c),
         **bracket,
     )
@@ -710,7 +709,6 @@ def _rounds(
     max_rounds: int,
     offload: OffloadCost | None,
     aim: float = 1.0,
-    stage: str = "rounds",
     offer: Callable[[Plan, Compiled], bool] | None = None,
     lo: float | None = None,
     hi: float = math.inf,
@@ -720,14 +718,19 @@ def _rounds(
     on a plan that fits within `CLOSE_ENOUGH` of the target, on one the model predicts
     recomputes no less than the best fitting plan compiled (the model undercounts XLA's
     recompute, docs/design.md#verification: a closer plan would only recompute more), or
-    when the bracket of model budgets is narrower than 0.5%. `stage`, `offer` (default
-    `found.offer`), `lo` and `hi` (the model budgets known to fit / miss) serve the second
-    model's rounds (`_second_model`)."""
+    when the bracket of model budgets is narrower than 0.5%. `offer` (default: the plan
+    joins stage "rounds" and is offered), `lo` and `hi` (the model budgets known to fit /
+    miss) serve the second model's rounds (`_second_model`)."""
     target, base = found.target, prog.baseline
     model_budget = cal.model_budget(aim * target)
     # model budgets known feasible / infeasible when compiled
     lo = cal.model_min if lo is None else lo
-    offer = found.offer if offer is None else offer
+    if offer is None:
+
+        def offer(p: Plan, c: Compiled) -> bool:
+            found.stage["rounds"].append((p, c))
+            return found.offer(p, c)
+
     for round_ in range(max_rounds):
         candidate = planner.plan(model_budget)
         if candidate is not None and _predicted_score(base, candidate, offload) >= found.best[0]:
@@ -739,8 +742,6 @@ def _rounds(
         if candidate is not None and plan_key(candidate) not in found.seen:
             found.seen.add(plan_key(candidate))
             c = prog.compile_with_grad(candidate)  # a round's plan is often the one returned
-            if stage == "rounds":
-                found.stage["rounds"].append((candidate, c))
             ok = offer(candidate, c)
             if ok and found.best[1] is candidate:  # the plan to return, unless a later beats it
                 prog.grad_step_ahead(candidate)
