@@ -18,7 +18,13 @@ from jremat._src.base.logs import log_to_stderr
 if TYPE_CHECKING:  # the names below, for type checkers and IDEs; at run time they load lazily
     from jremat import policies
     from jremat._src.base.budget import parse_budget
-    from jremat._src.base.errors import InfeasibleBudgetError, PlanMismatchError
+    from jremat._src.base.errors import (
+        InfeasibleBudgetError,
+        PlanMismatchError,
+        UnsupportedBackendError,
+    )
+    from jremat._src.base.targets import DEVICE_MEMORY_BYTES, target_mesh
+    from jremat._src.compile.xla import MEMORY_FIGURES
     from jremat._src.frontends.auto import auto
     from jremat._src.frontends.blocks import disabled
     from jremat._src.plan.offload import OffloadCost, host_offload_effective
@@ -45,6 +51,10 @@ _EXPORTS = {
     "parse_budget": "jremat._src.base.budget",
     "InfeasibleBudgetError": "jremat._src.base.errors",
     "PlanMismatchError": "jremat._src.base.errors",
+    "DEVICE_MEMORY_BYTES": "jremat._src.base.targets",
+    "target_mesh": "jremat._src.base.targets",
+    "MEMORY_FIGURES": "jremat._src.compile.xla",
+    "UnsupportedBackendError": "jremat._src.base.errors",
     "auto": "jremat._src.frontends.auto",
     "disabled": "jremat._src.frontends.blocks",
     "OffloadCost": "jremat._src.plan.offload",
@@ -88,6 +98,10 @@ def __dir__() -> list[str]:
 
 
 __all__ = [
+    "DEVICE_MEMORY_BYTES",
+    "MEMORY_FIGURES",
+    "UnsupportedBackendError",
+    "target_mesh",
     "Comparison",
     "ExplainRow",
     "Explanation",

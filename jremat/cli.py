@@ -2,6 +2,7 @@
 
     jremat compare [--model gpt2] [--size default|tiny] [--budgets 0.25,0.5,0.75]
                    [--policies NAME,...] [--solvers auto,...] [--runs N]
+                   [--target local|tpu:v5e:2x2]
                    [--format markdown|csv|json | --json]
                    [--plot pareto.png] [--quiet]
     jremat --version
@@ -104,6 +105,14 @@ def _parser() -> argparse.ArgumentParser:
         f"{', '.join(SOLVER_NAMES)} (default: auto, as jremat.plan)",
     )
     cmp.add_argument(
+        "--target",
+        default="local",
+        help='what to compile for: "local" (this host\'s devices, the default; rows run and '
+        'their gradients are compared) or a TPU topology, "tpu:v5e:1x1", "tpu:v5e:2x2" '
+        "(compiled for those TPU chips from any host, never run; needs libtpu: pip install "
+        '"jremat[tpu]"). The batch is split over the devices on its first axis',
+    )
+    cmp.add_argument(
         "--runs", type=int, default=0, help="time this many executions of each step (default 0)"
     )
     fmt = cmp.add_mutually_exclusive_group()
@@ -133,6 +142,8 @@ def main(argv: list[str] | None = None) -> int:
         args = parser.parse_args(argv)
     except SystemExit as e:  # argparse printed the usage error (or --help)
         return int(e.code or 0)
+    # before JAX starts: a TPU target compiles beside any other process that loaded libtpu
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
     return _compare(args)
 
 
@@ -236,12 +247,24 @@ def _run_compare(args: argparse.Namespace) -> int:
             work = models.get(args.model, size=args.size)
     except (ImportError, ValueError, TypeError) as e:
         return _error(str(e), 2)
+    params, batch = work.params, work.batch
+    if args.target != "local":
+        if args.runs:
+            return _error(f"--runs times steps, which a --target {args.target} cannot run", 2)
+        from jremat._src.base.targets import abstract_on, target_mesh
+
+        try:
+            mesh = target_mesh(args.target)
+        except (ValueError, TypeError, RuntimeError) as e:
+            return _error(f"--target: {e}", 2)
+        params, batch = abstract_on(params, mesh), abstract_on(batch, mesh, "data")
+        work.description += f" on {args.target}"
     try:
         with _stdout_to_stderr(), _bars_and_logs(args.quiet):
             result = compare(
                 work.loss,
-                work.params,
-                work.batch,
+                params,
+                batch,
                 policies=args.policies,
                 budgets=args.budgets,
                 solvers=args.solvers,

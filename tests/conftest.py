@@ -53,6 +53,10 @@ if not os.environ.get("JREMAT_TESTS_FULL_OPT") and "--xla_backend_optimization_l
 
 # set before jremat is imported, and whatever the caller's environment says
 os.environ["JREMAT_PLAN_CACHE"] = "0"
+# where libtpu is installed (the jax 0.12 line's dev extra), every JAX process loads it and
+# takes its lock file; without this, a second process (an xdist worker) that compiles for a
+# TPU topology fails (docs/guides/tpu.md#several-processes)
+os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 
 import jax  # noqa: E402
 import pytest  # noqa: E402

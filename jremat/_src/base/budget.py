@@ -6,7 +6,10 @@ Accepted forms:
   * a string with a unit, e.g. "512MiB", "8GB", "1.5 GiB" (B, KB/MB/GB/TB powers of 1000,
     KiB/MiB/GiB/TiB powers of 1024): a footprint cap;
   * "auto": the device's free memory (GPU/TPU `memory_stats()`; on CPU, where that is None, the
-    host's available memory from psutil) as a footprint cap.
+    host's available memory from psutil) as a footprint cap;
+  * "device", or a fraction of it as "0.9 device": that fraction of the memory of the device
+    the program is compiled for (`base.targets.device_memory_bytes`: a compile-only TPU's from
+    a table) as a footprint cap, resolved when the program's devices are known (`for_device`).
 """
 
 from __future__ import annotations
@@ -22,7 +25,8 @@ from jremat._src.base.errors import InfeasibleBudgetError
 
 ACCEPTED = (
     "a float in (0, 1] (fraction of the unrematerialized temp bytes), an int > 0 (footprint "
-    'bytes), a string such as "512MiB" or "8GB", or "auto" (free device memory)'
+    'bytes), a string such as "512MiB" or "8GB", "auto" (free device memory), or "device" / '
+    '"0.9 device" (that fraction of the target device\'s memory)'
 )
 _UNITS = {
     "": 1,
@@ -45,11 +49,29 @@ _PATTERN = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:e[+-]?[0-9]+)?)\s*([a-z]*)\s*$", 
 
 @dataclasses.dataclass(frozen=True)
 class Budget:
-    """A parsed budget: exactly one of `fraction` (of temp) or `footprint_bytes` is set."""
+    """A parsed budget: exactly one of `fraction` (of temp), `footprint_bytes` or
+    `device_fraction` (of the target device's memory, until `for_device` turns it into
+    `footprint_bytes`) is set."""
 
     raw: Any
     fraction: float | None = None
     footprint_bytes: int | None = None
+    device_fraction: float | None = None
+
+    def for_device(self, device: Any) -> Budget:
+        """This budget for a program compiled for `device`: a "device" budget as footprint
+        bytes of that device's memory (`base.targets.device_memory_bytes`); any other budget
+        as it is.
+
+        Raises:
+          ValueError: a "device" budget on a device whose memory is not known.
+        """
+        if self.device_fraction is None:
+            return self
+        from jremat._src.base.targets import device_memory_bytes
+
+        limit = int(self.device_fraction * device_memory_bytes(device))
+        return dataclasses.replace(self, footprint_bytes=limit, device_fraction=None)
 
     @property
     def is_auto(self) -> bool:
@@ -62,6 +84,8 @@ class Budget:
         (argument + output - alias) of the step."""
         if self.fraction is not None:
             return self.fraction * baseline_temp
+        if self.footprint_bytes is None:  # a bug of jremat's, not the caller's
+            raise RuntimeError(f"budget={self.raw!r} was not resolved for a device (for_device)")
         return float(self.footprint_bytes - fixed_bytes)
 
     def in_caller_unit(self, temp_bytes: int, baseline_temp: int, fixed_bytes: int) -> Any:
@@ -109,11 +133,14 @@ def parse_budget(budget: Any) -> Budget:
         in bytes; a string with a unit, e.g. "512MiB", "8GB", "1.5 GiB" (KB/MB/GB/TB powers
         of 1000; KiB/MiB/GiB/TiB, and K/M/G/T alone as in XLA's flags, powers of 1024; B or
         no unit: bytes; any case): a footprint cap; "auto": the device's free memory
-        (on CPU the host's available memory) as a footprint cap.
+        (on CPU the host's available memory) as a footprint cap; "device" or "0.9 device":
+        that fraction of the memory of the device the program compiles for (its
+        `memory_stats()`, a compile-only TPU's from `jremat.DEVICE_MEMORY_BYTES`) as a
+        footprint cap, read when the program is planned.
 
     Returns:
-      A `Budget` with exactly one of `fraction` (float) or `footprint_bytes` (int) set, and
-      `raw`, the budget as given.
+      A `Budget` with exactly one of `fraction` (float), `footprint_bytes` (int) or
+      `device_fraction` (float) set, and `raw`, the budget as given.
 
     Raises:
       ValueError: budget <= 0, a float > 1, NaN/inf, a bool, a complex number, an array that
@@ -131,6 +158,8 @@ def parse_budget(budget: Any) -> Budget:
     if isinstance(budget, str):
         if budget.strip().lower() == "auto":
             return Budget(budget, footprint_bytes=free_device_bytes())
+        if (share := _device_share(budget)) is not None:
+            return Budget(budget, device_fraction=share)
         m = _PATTERN.match(budget)
         if not m or m.group(2).lower() not in _UNITS:
             raise _bad(budget, "could not read a size with a unit from the string")
@@ -158,6 +187,28 @@ def parse_budget(budget: Any) -> Budget:
             raise _bad(budget, "a float is a fraction and must be <= 1 (for bytes pass an int)")
         return Budget(f, fraction=f)
     raise _bad(budget, f"expected a number or a string, got {type(budget).__name__}")
+
+
+def _device_share(budget: str) -> float | None:
+    """The fraction of a "device" budget string ("device" 1.0, "0.9 device" 0.9), None for
+    a string of another form.
+
+    Raises:
+      ValueError: a "device" budget whose fraction is not in (0, 1].
+    """
+    text = budget.strip().lower()
+    if not text.endswith("device"):
+        return None
+    number = text[: -len("device")].strip().rstrip("*").strip()
+    try:
+        share = float(number) if number else 1.0
+    except ValueError:
+        raise _bad(
+            budget, 'a device budget is "device" or a fraction before it: "0.9 device"'
+        ) from None
+    if not (math.isfinite(share) and 0 < share <= 1):
+        raise _bad(budget, "the fraction of the device's memory must be in (0, 1]")
+    return share
 
 
 def _is_complex(value: Any) -> bool:

@@ -26,3 +26,9 @@ class InfeasibleBudgetError(ValueError):
 
 class PlanMismatchError(ValueError):
     """A plan was made for another program (other shapes, dtypes or equations)."""
+
+
+class UnsupportedBackendError(RuntimeError):
+    """A program was compiled for a platform whose memory figures jremat cannot read (not in
+    `jremat.MEMORY_FIGURES`): no plan is made on a figure that may not move with the plan.
+    Plan for CPU, GPU or TPU (docs/guides/tpu.md), or run the function without jremat."""

@@ -93,9 +93,23 @@ def leaf_sharding(x: Any, per_example: bool = True) -> Any:
             outer = traced_placement(x)[1]
         return _per_example(outer, x) if per_example else outer
     s = getattr(x, "sharding", None)
-    if isinstance(s, NamedSharding) and s.mesh.size > 1:
+    if isinstance(s, NamedSharding) and (s.mesh.size > 1 or foreign_mesh(s.mesh)):
         return s
     return None
+
+
+def foreign_mesh(mesh: Any) -> bool:
+    """Whether `mesh`'s devices are of another platform than JAX's default backend (a
+    compile-only TPU topology's, `jremat.target_mesh`): then even a one-device mesh says
+    where the program compiles, and arguments on it are kept on it."""
+    devices = getattr(mesh, "devices", None)  # an AbstractMesh has none
+    try:
+        platform = str(devices.flat[0].platform)
+    except (AttributeError, IndexError, ValueError):
+        return False
+    return platform != jax.default_backend() and not (
+        platform in ("cuda", "rocm") and jax.default_backend() == "gpu"
+    )
 
 
 def _per_example(s: Any, x: Any) -> Any:
@@ -175,7 +189,7 @@ def _value_placement(x: Any) -> tuple[str, Any]:
 
 def _sharding_placement(s: Any) -> tuple[str, Any]:
     if isinstance(s, NamedSharding) and not _is_manual(s.mesh):
-        if s.mesh.size == 1:
+        if s.mesh.size == 1 and not foreign_mesh(s.mesh):
             return ("unsharded", None)
         if not isinstance(s.mesh, jax.sharding.Mesh):
             return ("sharded", NamedSharding(concrete_mesh(s.mesh), s.spec))

@@ -30,6 +30,7 @@ from jremat._src.base.args import (
 )
 from jremat._src.base.batching import Batching
 from jremat._src.base.sharding import arg_mesh, manual_axes, shard_args
+from jremat._src.base.targets import args_device
 from jremat._src.compile.xla import (
     MemoryFigures,
     compile_figures,
@@ -82,6 +83,10 @@ class Compiled:
     #: offload plan's own compiled temp bytes; `temp_bytes` is then that of the proxy plan
     #: (offloaded values recomputed instead), see docs/design.md#host-offload. None otherwise.
     offload_temp_bytes: int | None = None
+    #: how `temp_bytes` was read (`xla.MEMORY_FIGURES`) and what was compiled for
+    #: (`MemoryFigures.target`)
+    figure: str = "temp_size_in_bytes"
+    target: str = "cpu"
 
     @property
     def footprint_bytes(self) -> int:
@@ -193,6 +198,11 @@ class Program:
         return same_program_key(plan, self._dots_policies_differ)
 
     @property
+    def device(self) -> Any:
+        """A device the program compiles for (`base.targets.args_device`)."""
+        return args_device(self.args)
+
+    @property
     def compiles(self) -> int:
         """How many programs this `Program` compiled (each plan structure once)."""
         return len(self._steps)
@@ -264,7 +274,10 @@ class Program:
         t0 = time.perf_counter()
         exe, flops = self.compile_fn(f, figures_only=figures_only)
         seconds = time.perf_counter() - t0
-        compiled = self.objective.figures(self, MemoryFigures.of(exe), flops)
+        mem = MemoryFigures.of(exe)
+        compiled = dataclasses.replace(
+            self.objective.figures(self, mem, flops), figure=mem.figure, target=mem.target
+        )
         if offloads(plan) and not host_offload_effective():
             # the offload is a no-op here: device memory from the proxy
             # (docs/design.md#host-offload); FLOPs and executable stay the offload plan's own
@@ -486,6 +499,7 @@ class Program:
         plan.baseline_temp_bytes = self.baseline.temp_bytes
         plan.measured_footprint_bytes = c.footprint_bytes
         plan.baseline_flops = self.baseline.flops
+        plan.memory_figure, plan.target = c.figure, c.target
         if c.offload_temp_bytes is not None:
             plan.notes.append(
                 f"host offload has no memory effect on backend {jax.default_backend()!r}: "

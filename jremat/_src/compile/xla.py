@@ -15,6 +15,7 @@ from jax.experimental import checkify
 from jremat._src.base import compat as _compat
 from jremat._src.base import sharding
 from jremat._src.base.batching import Batching
+from jremat._src.base.errors import UnsupportedBackendError
 from jremat._src.compile.loop_flops import loop_flops_correction
 from jremat._src.trace import cost_model
 
@@ -66,18 +67,47 @@ def _platform(args: Sequence[Any]) -> str:
         return jax.default_backend()
 
 
+#: How each backend's `memory_analysis()` gives the peak bytes of a program's temporaries
+#: (what jremat budgets, verifies and reports as "temp"; measured in
+#: docs/guides/tpu.md#the-memory-figure):
+#:   cpu, gpu: `temp_size_in_bytes`, the packed size of XLA's temporaries (`peak_memory_in_bytes`
+#:     counts only arguments and outputs there);
+#:   tpu: `peak_memory_in_bytes - (argument + output - alias)`: the TPU compiler's heap peak
+#:     holds the program's arguments and outputs (`indefinite_allocations`, live for the whole
+#:     run) and its temporaries, whose `temp_size_in_bytes` it reports as 0 (libtpu 0.0.50).
+#: Any other platform raises `UnsupportedBackendError`: jremat does not plan on a figure it
+#: has not read.
+MEMORY_FIGURES: dict[str, str] = {
+    "cpu": "temp_size_in_bytes",
+    "gpu": "temp_size_in_bytes",
+    "tpu": "peak_memory_in_bytes - (argument + output - alias)",
+}
+
+
 @dataclasses.dataclass(frozen=True)
 class MemoryFigures:
     """A compiled program's `memory_analysis()` in bytes (per device for an SPMD program).
 
-    `fixed_bytes` (argument + output - alias) and `footprint_bytes` (fixed + temp) are
-    computed here and nowhere else in jremat.
+    `temp_bytes` is the peak bytes of the program's temporaries, read as its platform's
+    `MEMORY_FIGURES` entry says (`figure` names it): the figure every budget, plan and
+    report of jremat is in. `fixed_bytes` (argument + output - alias) and `footprint_bytes`
+    (fixed + temp: the device memory of one run, on TPU the compiler's peak) are computed here
+    and nowhere else in jremat.
     """
 
     temp_bytes: int
     argument_bytes: int
     output_bytes: int
     alias_bytes: int
+    platform: str = "cpu"
+    #: the platform and device kind compiled for, with the device count of an SPMD program:
+    #: "cpu", "tpu:TPU v5 lite x4" (`executable_target`)
+    target: str = "cpu"
+
+    @property
+    def figure(self) -> str:
+        """How `temp_bytes` was read from `memory_analysis()` (`MEMORY_FIGURES`)."""
+        return MEMORY_FIGURES[self.platform]
 
     @property
     def fixed_bytes(self) -> int:
@@ -91,14 +121,70 @@ class MemoryFigures:
 
     @classmethod
     def of(cls, executable: Any) -> MemoryFigures:
-        """The figures of a compiled executable (`compile_jitted`'s result)."""
+        """The figures of a compiled executable (`compile_jitted`'s result).
+
+        Raises:
+          UnsupportedBackendError: the executable's platform is not in `MEMORY_FIGURES`.
+        """
         mem = executable.memory_analysis()
-        return cls(
-            temp_bytes=int(mem.temp_size_in_bytes),
-            argument_bytes=int(mem.argument_size_in_bytes),
-            output_bytes=int(mem.output_size_in_bytes),
-            alias_bytes=int(mem.alias_size_in_bytes),
-        )
+        platform = executable_platform(executable)
+        if platform not in MEMORY_FIGURES:
+            raise UnsupportedBackendError(
+                f"jremat cannot read the memory figures of a program compiled for platform "
+                f"{platform!r}: it reads {', '.join(sorted(MEMORY_FIGURES))} "
+                "(docs/guides/tpu.md#the-memory-figure). Plan on one of those, or run the "
+                "function without jremat."
+            )
+        argument = int(mem.argument_size_in_bytes)
+        output = int(mem.output_size_in_bytes)
+        alias = int(mem.alias_size_in_bytes)
+        temp = int(mem.temp_size_in_bytes)
+        if platform == "tpu":
+            # the heap peak minus what is live all along; max: a libtpu that reports its
+            # temporaries in temp_size_in_bytes too is never read lower than that
+            temp = max(temp, int(mem.peak_memory_in_bytes) - (argument + output - alias))
+        return cls(temp, argument, output, alias, platform, executable_target(executable))
+
+
+def executable_platform(executable: Any) -> str:
+    """The platform ("cpu", "gpu", "tpu", ...) a compiled executable runs on: that of the
+    devices of its input or output shardings (a compile-only TPU's for a program compiled
+    for a topology), else JAX's default backend."""
+    devices = _executable_devices(executable)
+    return _platform_name(devices[0].platform if devices else jax.default_backend())
+
+
+def executable_target(executable: Any) -> str:
+    """What a compiled executable was compiled for, as plans and reports name it: its
+    platform, with the device kind where it is not CPU and the device count where it is
+    over 1 ("cpu", "cpu x8", "gpu:NVIDIA H100 80GB HBM3", "tpu:TPU v5 lite x4")."""
+    devices = _executable_devices(executable)
+    if not devices:
+        return _platform_name(jax.default_backend())
+    name = _platform_name(devices[0].platform)
+    if name != "cpu":
+        name += f":{devices[0].device_kind}"
+    return name + (f" x{len(devices)}" if len(devices) > 1 else "")
+
+
+def _executable_devices(executable: Any) -> list[Any]:
+    """The devices of a compiled executable's input (else output) shardings, by id."""
+    for shardings in (
+        getattr(executable, "input_shardings", None),
+        getattr(executable, "output_shardings", None),
+    ):
+        for leaf in jax.tree_util.tree_leaves(shardings):
+            devices = getattr(leaf, "device_set", None)
+            if devices:
+                return sorted(devices, key=lambda d: d.id)
+    return []
+
+
+def _platform_name(platform: str) -> str:
+    """JAX's platform name, with CUDA and ROCm as "gpu" (`jax.default_backend()` spells them
+    "gpu"; a device's `platform` may say "cuda" or "rocm")."""
+    platform = str(platform).lower()
+    return "gpu" if platform in ("cuda", "rocm") else platform
 
 
 def compile_step(

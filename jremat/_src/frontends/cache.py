@@ -22,6 +22,7 @@ from typing import Any
 from jremat._src.base.args import abstract_args, check_count, check_flag
 from jremat._src.base.batching import Batching
 from jremat._src.base.budget import Budget, parse_budget
+from jremat._src.base.targets import args_device
 from jremat._src.plan.offload import parse_offload
 from jremat._src.plan.plan import Plan
 from jremat._src.plan.rewrite import check_value_ids
@@ -160,6 +161,9 @@ class PlanCache:
                 "solver": self.solver,
                 "verify": bool(self.verify),
                 "versions": _versions(),
+                # the platform and device kind compiled for: a TPU topology's plan is not a
+                # CPU plan of the same shapes and mesh axes
+                "target": _target(args),
                 **({"offload": repr(self.offload)} if self.offload is not None else {}),
                 **({"sharding": repr(shard_key)} if shard_key else {}),
                 **({"vmap": _vmap_key(batching)} if batching is not None else {}),
@@ -324,6 +328,12 @@ def _jsonable(x: Any) -> Any:
         return x
     except TypeError:
         return repr(x)
+
+
+def _target(args: Sequence[Any]) -> str:
+    """The platform and device kind `args` compile for (`base.targets.args_device`)."""
+    device = args_device(args)
+    return f"{device.platform}:{getattr(device, 'device_kind', '')}"
 
 
 def _versions() -> str:

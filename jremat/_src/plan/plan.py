@@ -273,6 +273,12 @@ class Plan:
       measured_footprint_bytes: compiled argument + output - alias + temp bytes when verified
         (None in plans saved before the field existed).
       baseline_flops: compiled FLOPs of the unrematerialized `value_and_grad`, when known.
+      memory_figure: how the compiled temp bytes were read from XLA's `memory_analysis()` on
+        the target (`"temp_size_in_bytes"` on CPU and GPU; on TPU `"peak_memory_in_bytes -
+        (argument + output - alias)"`, docs/guides/tpu.md#the-memory-figure); None when
+        nothing was compiled (or in plans saved before the field existed).
+      target: the platform and device kind the plan was compiled for, e.g. `"cpu"` or
+        `"tpu:TPU v5 lite x4"` (devices of the mesh); None when nothing was compiled.
       notes: free-form lines (rounds of verification, calibration).
       scans: per scan equation (its node index, as a string), how its loop is rematerialized:
         a `ScanSetting`, either one body policy for every iteration (with sqrt(L) nesting
@@ -298,6 +304,8 @@ class Plan:
     offloaded_bytes: int = 0
     measured_footprint_bytes: int | None = None
     baseline_flops: float | None = None
+    memory_figure: str | None = None
+    target: str | None = None
 
     @property
     def is_identity(self) -> bool:
@@ -527,6 +535,9 @@ class Plan:
                 "  a Flax block's plan: its figures are the bytes the block keeps from its "
                 "forward to its backward pass (docs/design.md#flax-blocks)"
             )
+        accelerator = self.target is not None and not self.target.startswith("cpu")
+        if accelerator and self.memory_figure is not None and not block:
+            lines.append(f"  compiled for:    {self.target}; {temp} = {self.memory_figure}")
         if self.baseline_temp_bytes is not None:
             base = f"  without remat:   {temp} {mb(self.baseline_temp_bytes)}"
             if self.baseline_flops:
@@ -652,6 +663,8 @@ _PLAN_FIELDS: dict[str, tuple[Any, str]] = {
         "a list of strings",
     ),
     "offloaded_bytes": (_is_int, "an int"),
+    "memory_figure": (lambda v: v is None or isinstance(v, str), "a string or null"),
+    "target": (lambda v: v is None or isinstance(v, str), "a string or null"),
     "segments": (lambda v: isinstance(v, list), "a list of jremat.Segment"),
 }
 

@@ -51,12 +51,14 @@ AUTO = "jremat auto"
 DEFAULT_BUDGETS = (0.25, 0.5, 0.75)
 #: One line per column of the tables `Comparison` prints (`to_markdown`, the HTML view).
 LEGEND = (
-    "temp: XLA's temp bytes of the compiled training step (activations and what the backward "
-    "pass holds); footprint: arguments + outputs - aliased + temp; extra FLOPs: compiled FLOPs "
-    "over no remat's; max grad diff: largest difference from no remat's gradients; budget: "
-    "the planner's budget (a fraction of no remat's temp, or footprint bytes); compile s / "
-    "plan s: wall seconds to compile the row's step / to plan it; Pareto: yes when no other "
-    "row has both less temp and fewer extra FLOPs."
+    "temp: the peak bytes of the compiled training step's temporaries (activations and what "
+    "the backward pass holds; XLA's temp_size_in_bytes on CPU and GPU, peak_memory_in_bytes - "
+    "arguments - outputs + aliased on TPU: jremat.MEMORY_FIGURES); footprint: arguments + "
+    "outputs - aliased + temp; extra FLOPs: compiled FLOPs over no remat's; max grad diff: "
+    "largest difference from no remat's gradients; budget: the planner's budget (a fraction "
+    "of no remat's temp, or footprint bytes); compile s / plan s: wall seconds to compile the "
+    "row's step / to plan it; Pareto: yes when no other row has both less temp and fewer "
+    "extra FLOPs."
 )
 
 logger = logging.getLogger(__name__)
@@ -281,7 +283,7 @@ class Comparison:
                 f"{r.temp_bytes / scale:.2f}",
                 f"{r.footprint_bytes / scale:.2f}",
                 f"{r.extra_flops_pct:.1f}",
-                f"{r.max_grad_diff:.1e}",
+                _fmt(r.max_grad_diff, ".1e"),
                 _fmt(r.compile_seconds, ".1f"),
             ]
             cells += [_fmt(r.plan_seconds, ".1f")] * plan_col
@@ -359,7 +361,14 @@ def parse_budget_text(text: str) -> Any:
     return text
 
 
-def _max_diff(a: Any, b: Any) -> float:
+def _abstract(args: Any) -> bool:
+    """Whether any argument leaf is a `jax.ShapeDtypeStruct` (compiled for, not run)."""
+    return any(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree_util.tree_leaves(args))
+
+
+def _max_diff(a: Any, b: Any) -> float | None:
+    if a is None or b is None:  # compiled for a target that cannot run here
+        return None
     diffs = [
         jnp.max(jnp.abs(x.astype(jnp.float32) - y.astype(jnp.float32)))
         for x, y in zip(jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b), strict=True)
@@ -439,8 +448,12 @@ class _Run:
 
 
 def _run(prog: Program, args: tuple, plan: Plan | None, runs: int) -> _Run:
-    """Figures of the step under `plan`; execute it once for gradients (and `runs` timed)."""
+    """Figures of the step under `plan`; execute it once for gradients (and `runs` timed).
+    Arguments given as `jax.ShapeDtypeStruct`s (a compile-only target) are compiled for,
+    never run: no gradients."""
     c, exe, compile_s = prog.step(plan)
+    if _abstract(args):
+        return _Run(c.temp_bytes, c.fixed_bytes, c.flops, None, compile_s, None)
     _, grads = jax.block_until_ready(exe(*args))
     step = median_step_seconds(exe, args, runs) if runs else None  # the run above warmed up
     return _Run(c.temp_bytes, c.fixed_bytes, c.flops, grads, compile_s, step)
@@ -467,7 +480,9 @@ def compare(
 
     Args:
       fn: returns a scalar float loss (with `has_aux`, a pair `(loss, aux)`); `args` are
-        concrete arrays or pytrees (rows execute).
+        concrete arrays or pytrees (rows execute), or `jax.ShapeDtypeStruct`s placed on a
+        `jremat.target_mesh` (rows are compiled for that target, never run: no gradient
+        differences).
       policies: what to compare besides "no remat" and the planners. None: the default set,
         JAX's built-in policies per layer (`builtins`) and sqrt(n) segments (Chen et al.
         2016, "Training Deep Nets with Sublinear Memory Cost"). Otherwise a sequence whose
@@ -513,6 +528,11 @@ def compare(
     """
     if not isinstance(runs, int) or isinstance(runs, bool) or runs < 0:
         raise ValueError(f"runs must be an int >= 0, got {runs!r}")
+    if runs and _abstract(args):
+        raise ValueError(
+            "runs > 0 times the steps, which needs arrays: args hold jax.ShapeDtypeStructs "
+            "(a compile-only target, jremat.target_mesh); pass runs=0"
+        )
     if isinstance(solvers, str):
         solvers = [solvers]
     for s in solvers:
@@ -586,6 +606,7 @@ def compare(
         t0 = start(label)
         plan, plan_s, target = job.plan, None, None
         if job.spec is not None:
+            job.spec = job.spec.for_device(prog.device)  # a "device" budget: of that device
             target = job.spec.temp_bytes(base.temp_bytes, base.fixed_bytes)
             target = max(int(target), 0)
             t_plan = time.perf_counter()
@@ -619,7 +640,7 @@ def compare(
                 r.footprint_bytes,
                 r.flops,
                 extra(r.flops),
-                0.0 if r is base else _max_diff(r.grads, base.grads),
+                _max_diff(r.grads, base.grads),
                 r.compile_seconds,
                 r.step_seconds,
                 plan_s,

@@ -255,6 +255,7 @@ def solve(
        (b) `_choose` (floor plans, rounds, mixes, refinement), (c) verify:
        `_holds_under_grad` (the chosen plan's `jit(grad)` step), then `_finish_full`.
     """
+    spec = spec.for_device(prog.device)  # a "device" budget: of the device compiled for
     if not prog.graph.num_nodes:  # `lambda x: x`, a jit returning an input: nothing to remat
         if (error := spec.nothing_to_rematerialize("fn traces to no equations")) is not None:
             raise error

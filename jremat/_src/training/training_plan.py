@@ -22,6 +22,7 @@ from jremat._src.base import compat as _compat
 from jremat._src.base.args import abstract_args, check_flag, check_scalar_output
 from jremat._src.base.budget import parse_budget
 from jremat._src.base.errors import InfeasibleBudgetError
+from jremat._src.base.targets import args_device
 from jremat._src.compile import xla
 from jremat._src.compile.program import Program
 from jremat._src.plan.plan import Plan, plan_key
@@ -250,7 +251,7 @@ def plan_training(
             "microbatches, with or without optimizer state) are different programs, so it has "
             "no common meaning. Use jremat.plan / jremat.auto for fraction budgets."
         )
-    limit = int(spec.footprint_bytes)
+    limit = int(spec.for_device(args_device((params, batch))).footprint_bytes)
     if optimizer is not None and not (
         callable(getattr(optimizer, "init", None)) and callable(getattr(optimizer, "update", None))
     ):
