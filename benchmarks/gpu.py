@@ -36,7 +36,7 @@ import jremat
 from jremat import data
 from jremat._src.base.budget import parse_budget
 from jremat._src.compile.program import Program
-from jremat._src.compile.xla import compile_step, xla_flops
+from jremat._src.compile.xla import MemoryFigures, compile_step, xla_flops
 from jremat._src.plan.recipes import recipe_plan
 from jremat._src.reports.measure import median_step_seconds
 from jremat._src.search.solve import solve
@@ -94,16 +94,15 @@ def time_policy(policy: str, loss, params, tokens, runs: int) -> dict:
     prog = Program(loss, (params, tokens), 0)
     fn, _ = policy_fn(policy, prog)
     exe = compile_step(fn, (params, tokens), (0,))
-    mem = exe.memory_analysis()
+    mem = MemoryFigures.of(exe)  # the figure jremat budgets on this backend
     before = peak_bytes()
     jax.block_until_ready(exe(params, tokens))  # warm-up
     seconds = median_step_seconds(exe, (params, tokens), runs)
     after = peak_bytes()
-    fixed = mem.argument_size_in_bytes + mem.output_size_in_bytes - mem.alias_size_in_bytes
     return {
         "policy": policy,
-        "temp_bytes": int(mem.temp_size_in_bytes),
-        "footprint_bytes": int(fixed + mem.temp_size_in_bytes),
+        "temp_bytes": mem.temp_bytes,
+        "footprint_bytes": mem.footprint_bytes,
         "flops": xla_flops(exe),
         "step_seconds": round(seconds, 5),
         "peak_growth_bytes": None if before is None else after - before,

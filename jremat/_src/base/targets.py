@@ -32,6 +32,9 @@ DEVICE_MEMORY_BYTES: dict[str, int] = {
     "TPU v5": 95 * 2**30,
     "TPU v6 lite": 32 * 2**30,
 }
+"""HBM bytes of one JAX device by `device.device_kind`, for devices that report no
+`memory_stats()` (compile-only TPU devices): the published memory per chip over the JAX
+devices per chip. Read by `"device"` budgets (`jremat.parse_budget`)."""
 
 
 def target_devices(target: str) -> list[Any]:

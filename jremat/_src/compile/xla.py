@@ -82,6 +82,11 @@ MEMORY_FIGURES: dict[str, str] = {
     "gpu": "temp_size_in_bytes",
     "tpu": "peak_memory_in_bytes - (argument + output - alias)",
 }
+"""How each platform's `memory_analysis()` gives the peak bytes of a program's temporaries,
+the figure jremat budgets, verifies and reports as "temp": platform name -> the reading.
+On CPU and GPU XLA's `temp_size_in_bytes`; on TPU, whose compiler reports 0 there, its heap
+peak less the bytes live all along. Programs compiled for any other platform raise
+`jremat.UnsupportedBackendError` (docs/guides/tpu.md#the-memory-figure)."""
 
 
 @dataclasses.dataclass(frozen=True)

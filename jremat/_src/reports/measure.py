@@ -28,8 +28,10 @@ class Measurement:
     """What XLA compiled for one training step `jit(value_and_grad(fn, argnums, has_aux))`.
 
     Attributes:
-      temp_bytes: XLA's packed peak of live temporaries (activations, residuals, gradients in
-        flight), in bytes: `memory_analysis().temp_size_in_bytes`.
+      temp_bytes: the peak bytes of live temporaries (activations, residuals, gradients in
+        flight), read as `jremat.MEMORY_FIGURES` says for the platform compiled for: XLA's
+        `temp_size_in_bytes` on CPU and GPU, `peak_memory_in_bytes` less arguments and
+        outputs on TPU.
       footprint_bytes: argument + output - alias + temp bytes: the device memory of the step.
       flops: `cost_analysis()["flops"]` plus its `"transcendentals"` (`exp`, `tanh` ... count
         1 per element, as in jremat's FLOP table), with every scan body multiplied by its trip
