@@ -61,16 +61,16 @@ def workload(name: str):
     if name == "mlp":
         from jremat.models import plain
 
-        w = plain.mlp_workload(depth=6, width=256, batch_size=1024)
-        return w.loss, w.params, w.batch, "residual MLP, 6 layers, width 256, batch 1024"
+        w = plain.mlp_workload(depth=4, width=128, batch_size=512)
+        return w.loss, w.params, w.batch, "residual MLP, 4 layers, width 128, batch 512"
     if name in ("gpt2", "unet"):
         w = models.get(name, size="tiny")
         return w.loss, w.params, w.batch, w.description + " (tiny size)"
     if name == "scan":
         from run import scanned_decoder
 
-        loss, params, batch = scanned_decoder(depth=4, d=64, heads=2, seq=64, batch=8)
-        return loss, params, batch, "GPT-2-style decoder, 4 layers under lax.scan, d 64"
+        loss, params, batch = scanned_decoder(depth=4, d=64, heads=2, seq=32, batch=4)
+        return loss, params, batch, "GPT-2-style decoder, 4 layers under lax.scan, d 64, 4x32"
     raise ValueError(f"unknown model {name!r}")
 
 
@@ -215,6 +215,7 @@ def main() -> None:
     parser.add_argument("--targets", default=",".join(TARGETS))
     parser.add_argument("--budgets", default=",".join(map(str, BUDGETS)))
     parser.add_argument("--no-xla", action="store_true", help="skip section 2")
+    parser.add_argument("--xla-limits", default="25,15", help="section 2's limits, percent of HBM")
     parser.add_argument("--out", default=os.path.join(HERE, "results", "tpu.md"))
     args = parser.parse_args()
     budgets = [float(b) for b in args.budgets.split(",")]
@@ -231,15 +232,20 @@ def main() -> None:
         "",
         "## The zoo on one v5e chip and a 2x2 mesh",
     ]
+
+    def write(done: bool) -> None:  # after each cell: a long run leaves what it measured
+        tail = [f"\nTotal {time.perf_counter() - t0:.0f} s."] if done else ["\n(running)"]
+        with open(args.out, "w") as f:
+            f.write("\n".join(lines + tail) + "\n")
+
     for target in args.targets.split(","):
         for name in args.models.split(","):
             print(f"== {name} on {target}", flush=True)
             lines += zoo_cell(name, target, budgets)
+            write(False)
     if not args.no_xla:
-        lines += xla_section()
-    lines.append(f"\nTotal {time.perf_counter() - t0:.0f} s.")
-    with open(args.out, "w") as f:
-        f.write("\n".join(lines) + "\n")
+        lines += xla_section([int(p) for p in args.xla_limits.split(",")])
+    write(True)
     print(f"wrote {args.out}")
 
 

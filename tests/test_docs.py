@@ -99,7 +99,8 @@ def _public_objects() -> dict[str, object]:
     out: dict[str, object] = {}
     for name in jremat.__all__:
         obj = getattr(jremat, name)
-        if not isinstance(obj, types.ModuleType):
+        # constant tables (MEMORY_FIGURES) are documented by the string after them (griffe)
+        if not isinstance(obj, (types.ModuleType, dict)):
             out[f"jremat.{name}"] = obj
     for modname in PUBLIC_MODULES:
         module = importlib.import_module(modname)

@@ -332,7 +332,10 @@ def _jsonable(x: Any) -> Any:
 
 def _target(args: Sequence[Any]) -> str:
     """The platform and device kind `args` compile for (`base.targets.args_device`)."""
-    device = args_device(args)
+    try:
+        device = args_device(args)
+    except ValueError:  # arguments over different meshes: planning raises that itself
+        return "mixed"
     return f"{device.platform}:{getattr(device, 'device_kind', '')}"
 
 
