@@ -134,6 +134,8 @@ def traced_placement(x: Any) -> tuple[str, Any]:
     t = _compat.jaxpr_tracer(x)
     if t is None:
         return _value_placement(x)
+    if not placement_readable():
+        return ("unknown", None)  # never a guess: the read is broken on this JAX
     traces = _compat.jit_traces()
     while True:
         jt = next((j for j in traces if getattr(t, "_trace", None) is j.trace), None)
@@ -155,6 +157,40 @@ def traced_placement(x: Any) -> tuple[str, Any]:
         t = _compat.jaxpr_tracer(x)
         if t is None:
             return _value_placement(x)
+
+
+_UNREADABLE_WARNED: list[bool] = []
+
+
+def placement_readable() -> bool:
+    """Whether `traced_placement` can read the placement of `jax.jit`'s inputs on this JAX
+    (`compat.jit_frames_readable`, probed once per process); True on one device, where nothing
+    is sharded. Where it cannot, a `RuntimeWarning` says so, once per process."""
+    if jax.device_count() == 1 or _compat.jit_frames_readable():
+        return True
+    if not _UNREADABLE_WARNED:
+        _UNREADABLE_WARNED.append(True)
+        import warnings
+
+        warnings.warn(
+            f"jremat: {_unreadable_why()} jremat.auto therefore treats the placement of every "
+            "value traced inside jax.jit in the Auto sharding mode as unknown and refuses to "
+            "plan it; pass in_shardings= to jremat.auto (the shardings its arguments run under, "
+            "PartitionSpec() where they are not sharded) or use a mesh with Explicit axes "
+            "(jax.make_mesh(..., axis_types=(jax.sharding.AxisType.Explicit, ...)) under "
+            "jax.set_mesh), whose tracers carry their shardings.",
+            RuntimeWarning,
+            stacklevel=_caller_stacklevel(through_jax=True),
+        )
+    return False
+
+
+def _unreadable_why() -> str:
+    return (
+        f"on jax {jax.__version__}, jremat cannot read how jax.jit places its inputs (its read "
+        "of JAX-internal frames, compat.jit_traces, failed its self-check; jremat is tested on "
+        "jax 0.10 to 0.12, see docs/guides/jax-versions.md)."
+    )
 
 
 def _on_a_mesh(t: Any) -> bool:
@@ -362,15 +398,19 @@ def _has_spec(in_shardings: Any) -> bool:
     return any(isinstance(s, PartitionSpec) for s in leaves)
 
 
-def _caller_stacklevel() -> int:
-    """`warnings.warn`'s stacklevel of the first frame outside jremat (the user's call)."""
+def _caller_stacklevel(through_jax: bool = False) -> int:
+    """`warnings.warn`'s stacklevel of the first frame outside jremat (the user's call), and
+    outside JAX too where `through_jax` (a call from inside a caller's `jax.jit` trace)."""
     import os
     import sys
 
     # jremat/ itself: this file is jremat/_src/base/sharding.py
     here = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    inside = [here + os.sep]
+    if through_jax:
+        inside.append(os.path.dirname(os.path.abspath(jax.__file__)) + os.sep)
     frame, level = sys._getframe(1), 1
-    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(here + os.sep):
+    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(tuple(inside)):
         frame, level = frame.f_back, level + 1
     return level
 
@@ -386,6 +426,9 @@ def check_known(args: Sequence[Any], avals: Sequence[Any], in_shardings: Any = N
     """
     if in_shardings is not None or manual_axes():
         return
+    mesh = _ambient_mesh()
+    if mesh is not None and explicit_axes(mesh):
+        return  # explicit mode: a tracer's type says its sharding (none: replicated)
     flat, flat_avals = jax.tree_util.tree_leaves(args), jax.tree_util.tree_leaves(avals)
     hidden = [
         i
@@ -395,12 +438,19 @@ def check_known(args: Sequence[Any], avals: Sequence[Any], in_shardings: Any = N
         and hasattr(x, "shape")
         and traced_placement(x)[0] == "unknown"
     ]
-    mesh = _ambient_mesh()
-    if mesh is not None and explicit_axes(mesh):
-        return  # explicit mode: a tracer's type says its sharding (none: replicated)
     devices = jax.device_count()
     if not hidden or (mesh is None and devices == 1) or (mesh is not None and mesh.size == 1):
         return
+    if not placement_readable():
+        raise ValueError(
+            f"jremat.auto is called inside jax.jit, but {_unreadable_why()} The placement of "
+            f"its traced arguments is unknown ({len(hidden)} of {len(flat)} array leaves: "
+            f"{_leaf_names(args, hidden)}), and jremat does not plan for a guess. Pass "
+            "in_shardings= (as to jax.jit: the shardings the arguments run under, with mesh= "
+            "or jax.set_mesh for PartitionSpecs; in_shardings=PartitionSpec() if they are not "
+            "sharded), or use a mesh with Explicit axes (jax.sharding.AxisType.Explicit, "
+            "jax.make_mesh's default, under jax.set_mesh), whose tracers carry their shardings."
+        )
     where = (
         f"under the mesh {mesh_axes(mesh)} (Auto axes)"
         if mesh is not None
