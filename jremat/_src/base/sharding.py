@@ -614,6 +614,69 @@ def bind_axes_step(
     return h, tuple(jax.tree_util.tree_unflatten(tree, glob))
 
 
+# -- arrays jremat makes: their sharding stated where JAX's explicit mode asks for one ---------
+def explicit_sharding(x: Any) -> Any:
+    """The `NamedSharding` in the type of traced or concrete array `x` where its mesh has
+    Explicit axes (`jax.make_mesh`'s default; JAX then asks every reshape, broadcast and
+    gather that cannot infer its output's sharding to state it); None otherwise."""
+    try:
+        s = getattr(jax.typeof(x), "sharding", None)
+    except TypeError:
+        return None
+    if isinstance(s, NamedSharding) and explicit_axes(s.mesh):
+        return s
+    return None
+
+
+def split_rows(x: Any, k: int) -> Any:
+    """`x` (batch axis 0, `B` rows) as `(k, B // k, ...)`, microbatch `j` (index `j` of the
+    new axis) holding rows `j, j + k, j + 2k, ...` (the column-major split of
+    `optax.microbatching.reshape_batch_axis`): a device's rows of a batch sharded along axis
+    0 stay on it, so the split moves no data. Under explicit sharding the output sharding is
+    stated: the new axis unsharded, the rows' axes on the second.
+
+    Raises:
+      ValueError: under explicit sharding, `B // k` rows do not split evenly over the
+        devices that share the batch axis (naming the `num_microbatches` that do).
+    """
+    rows = int(x.shape[0])
+    shape = (k, rows // k, *x.shape[1:])
+    s = explicit_sharding(x)
+    if s is None:
+        return x.reshape(shape, order="F")
+    spec = list(s.spec) + [None] * (len(x.shape) - len(s.spec))
+    shards = math.prod(mesh_axes(s.mesh)[a] for a in spec_axes(spec[0]))
+    if (rows // k) % shards:
+        fits = [d for d in range(1, rows + 1) if rows % d == 0 and (rows // d) % shards == 0]
+        raise ValueError(
+            f"num_microbatches={k} leaves {rows // k} rows per microbatch, which the {shards} "
+            f"devices sharing the batch axis ({PartitionSpec(*spec)} on mesh "
+            f"{mesh_axes(s.mesh)}) do not split evenly; accepted num_microbatches: "
+            f"{', '.join(map(str, fits[:24]))}{', ...' if len(fits) > 24 else ''}."
+        )
+    with _on_mesh(s.mesh):
+        return x.reshape(shape, order="F", out_sharding=PartitionSpec(None, *spec))
+
+
+def stacked_zeros(x: Any, k: int, dtype: Any = None) -> Any:
+    """Zeros of shape `(k, *x.shape)` (dtype `x`'s unless given), sharded as `x` on the
+    trailing axes under explicit sharding (the new axis unsharded)."""
+    dtype = x.dtype if dtype is None else dtype
+    s = explicit_sharding(x)
+    if s is None:
+        return jax.numpy.zeros((k, *x.shape), dtype)
+    with _on_mesh(s.mesh):
+        return jax.numpy.zeros((k, *x.shape), dtype, out_sharding=PartitionSpec(None, *s.spec))
+
+
+def _on_mesh(mesh: Any) -> Any:
+    """A context in which `mesh`'s (abstract) mesh is the current one, for `out_sharding=`
+    given as a PartitionSpec: outside `jax.set_mesh`, jax 0.12 drops an `out_sharding`
+    NamedSharding over an abstract mesh from `jnp.zeros` and `broadcast_in_dim` (measured:
+    `float32[3,64]` where `float32[3,64@data]` was asked; jax 0.10 keeps it)."""
+    return jax.sharding.use_abstract_mesh(getattr(mesh, "abstract_mesh", mesh))
+
+
 # -- specs -------------------------------------------------------------------------------------
 def spec_axes(entry: Any) -> tuple[str, ...]:
     if entry is None or entry is PartitionSpec.UNCONSTRAINED:
