@@ -239,3 +239,91 @@ def test_errors():
         ValueError, match=r"'x' \(position 1 of .*apply\).*array float32\[128, 16\]"
     ):
         apply(Block(16, nnx.Rngs(0)), X)
+
+
+# -- the write-back touches only what the call changed (issue 47) -------------------------------
+class Stateless(nnx.Module):
+    """A block whose call changes no state (no RNG draws, no batch statistics)."""
+
+    def __init__(self, d: int, rngs: nnx.Rngs, width: int = 64):
+        self.up = nnx.Linear(d, width, rngs=rngs)
+        self.norm = nnx.LayerNorm(width, rngs=rngs)
+        self.down = nnx.Linear(width, d, rngs=rngs)
+
+    def __call__(self, x):
+        return x + self.down(nnx.gelu(self.norm(self.up(x))))
+
+
+STATELESS = jremat.auto(Stateless, budget=0.5, verify=False)
+
+
+def _closed_over_loss(graphdef, kind):
+    """A loss whose model is merged under `value_and_grad` and called in a plain JAX loop or
+    branch body (the model closed over, its variables at the outer trace level)."""
+
+    def loss(state, xs):
+        model = nnx.merge(graphdef, state)
+        if kind == "scan":
+            body = lambda c, x: (c + jnp.mean(model(x) ** 2), None)  # noqa: E731
+            return jax.lax.scan(body, 0.0, xs)[0]
+        if kind == "fori_loop":
+            body = lambda i, c: c + jnp.mean(model(xs[i]) ** 2)  # noqa: E731
+            return jax.lax.fori_loop(0, xs.shape[0], body, 0.0)
+        return jax.lax.cond(
+            xs[0, 0, 0] > -10.0, lambda x: jnp.mean(model(x) ** 2), lambda x: 0.0 * x.sum(), xs[0]
+        )
+
+    return loss
+
+
+@pytest.mark.parametrize("kind", ["scan", "fori_loop", "cond"])
+def test_module_closed_over_by_a_jax_loop_or_branch_body(kind):
+    """An NNX module under `auto` called in a `lax.scan`/`fori_loop`/`cond` body, its
+    parameters merged under `jax.value_and_grad` outside the body: the write-back leaves the
+    parameters alone (before: `TraceContextError: Cannot mutate Param from a different trace
+    level`), and value and gradients equal the undecorated module's."""
+    xs = jax.random.normal(jax.random.key(3), (3, 64, 16))
+    results = []
+    for block in (Stateless, STATELESS):
+        graphdef, state = nnx.split(block(16, nnx.Rngs(0)))
+        results.append(jax.jit(jax.value_and_grad(_closed_over_loss(graphdef, kind)))(state, xs))
+    (v0, g0), (v1, g1) = results
+    np.testing.assert_allclose(v1, v0, rtol=F32_TOL)
+    assert_trees_close(g1, g0)
+
+
+def test_state_a_call_changes_is_still_written_back_in_a_scan_body():
+    """Split/merge in a `lax.scan` body, the state carried: the call's RNG counts and batch
+    statistics are written back (only they), equal to the undecorated module's, and the
+    compiled step keeps less than the undecorated one."""
+    xs = jax.random.normal(jax.random.key(4), (3, 128, 16))
+
+    def run(block):
+        graphdef, params, rest = nnx.split(block(16, nnx.Rngs(params=0, dropout=1)), nnx.Param, ...)
+
+        def loss(params, rest, xs):
+            def body(carry, x):
+                total, rest = carry
+                model = nnx.merge(graphdef, params, rest)
+                total = total + jnp.mean(model(x) ** 2)
+                return (total, nnx.split(model, nnx.Param, ...)[2]), None
+
+            (total, rest), _ = jax.lax.scan(body, (0.0, rest), xs)
+            return total, rest
+
+        step = jax.jit(jax.value_and_grad(loss, has_aux=True))
+        temp = step.lower(params, rest, xs).compile().memory_analysis().temp_size_in_bytes
+        return step(params, rest, xs), temp
+
+    ((v0, rest0), g0), temp0 = run(Block)
+    ((v1, rest1), g1), temp1 = run(PLANNED)
+    np.testing.assert_allclose(v1, v0, rtol=F32_TOL)
+    assert_trees_close(g1, g0)
+    stats = [nnx.State(r).filter(nnx.BatchStat) for r in (rest1, rest0)]
+    assert_trees_close(*stats)
+    jax.tree_util.tree_map(
+        np.testing.assert_array_equal,
+        nnx.State(rest1).filter(nnx.RngCount),
+        nnx.State(rest0).filter(nnx.RngCount),
+    )
+    assert temp1 < temp0

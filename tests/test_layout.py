@@ -206,3 +206,23 @@ def test_import_jremat_does_not_import_optional_heavy_packages():
     assert "jax" in top_level  # sanity: the list is what `import jremat` loaded
     unwanted = {"flax", "transformers", "matplotlib"} & set(top_level)
     assert not unwanted, f"`import jremat` imports {sorted(unwanted)}"
+
+
+def test_the_jax_requirement_is_bounded_to_the_lines_ci_tests():
+    """`jax` is required within the lines CI tests (0.10 .. 0.12; issue 47): the private read
+    of `jit`'s frames is checked on those, so the next JAX is not installed by default before
+    CI has run on it. Moving the bound: docs/guides/jax-versions.md."""
+    from packaging.requirements import Requirement
+
+    config = tomllib.loads(PYPROJECT.read_text())
+    project = config["project"]
+    reqs = [Requirement(r) for r in project["dependencies"]]
+    reqs += [Requirement(r) for r in project["optional-dependencies"]["cuda12"]]
+    jax_reqs = [r for r in reqs if r.name == "jax"]
+    assert len(jax_reqs) == 2
+    for r in jax_reqs:
+        assert r.specifier.contains("0.10.2") and r.specifier.contains("0.12.0.1"), r
+        assert not r.specifier.contains("0.13.0"), r
+    import jax
+
+    assert jax_reqs[0].specifier.contains(jax.__version__)

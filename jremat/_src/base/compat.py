@@ -448,7 +448,8 @@ def _frame_is(frame: Any, file: str, names: Any) -> bool:
 
 def jit_traces() -> list[JitTrace]:
     """The `jax.jit` traces the current call runs inside, innermost first ([] outside any, or
-    where JAX's frames do not have the expected form)."""
+    where JAX's frames do not have the expected form: `jit_frames_readable` tells the two
+    apart)."""
     import sys
 
     out: list[JitTrace] = []
@@ -474,3 +475,55 @@ def jit_traces() -> list[JitTrace]:
             pending = None
         frame = frame.f_back
     return [t for t in out if len(t.in_tracers) == len(t.args) == len(t.in_shardings)]
+
+
+@functools.lru_cache(maxsize=1)
+def jit_frames_readable() -> bool:
+    """Whether `jit_traces` reads this JAX's `jit` frames: a probe traced once per process
+    (`jax.jit(probe, in_shardings=...).trace(...)`, no compile, ~2 ms) must find its own trace,
+    its input tracers, its arguments and `jit`'s `in_shardings` entry. False where JAX renamed
+    or reshaped those frames (docs/design.md#sharding): then no placement read off them holds.
+
+    Runs in a helper thread, whose trace state and mesh context are JAX's defaults (JAX keeps
+    both per thread), so the probe is the same wherever the first call comes from: inside a
+    caller's `jit`, a `shard_map` body or under `jax.set_mesh`.
+    """
+    import threading
+
+    found: list[bool] = []
+
+    def check() -> None:
+        seen: list[Any] = []
+
+        def probe(x: Any, y: Any) -> Any:
+            seen.append((x, y, jit_traces()))
+            return x
+
+        given = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+        a = jax.ShapeDtypeStruct((2,), np.float32)
+        b = jax.ShapeDtypeStruct((3,), np.int32)
+        try:
+            jax.jit(probe, in_shardings=(given, None)).trace(a, b)
+        except Exception:  # noqa: BLE001 - a JAX where the probe itself fails: not readable
+            found.append(False)
+            return
+        ok = len(seen) == 1 and bool(seen[0][2])
+        if ok:
+            x, y, traces = seen[0]
+            t = traces[0]  # the innermost: the probe's own
+            ok = (
+                t.trace is getattr(x, "_trace", None)
+                and len(t.in_tracers) == 2
+                and t.in_tracers[0] is x
+                and t.in_tracers[1] is y
+                and t.args[0] is a
+                and t.args[1] is b
+                and t.in_shardings[0] == given  # equal: JAX may hand back a cached equal one
+                and not isinstance(t.in_shardings[1], jax.sharding.Sharding)
+            )
+        found.append(bool(ok))
+
+    thread = threading.Thread(target=check, name="jremat-jit-frames-probe")
+    thread.start()
+    thread.join()
+    return bool(found and found[0])

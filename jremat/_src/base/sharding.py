@@ -148,6 +148,8 @@ def traced_placement(x: Any) -> tuple[str, Any]:
     t = _compat.jaxpr_tracer(x)
     if t is None:
         return _value_placement(x)
+    if not placement_readable():
+        return ("unknown", None)  # never a guess: the read is broken on this JAX
     traces = _compat.jit_traces()
     while True:
         jt = next((j for j in traces if getattr(t, "_trace", None) is j.trace), None)
@@ -169,6 +171,40 @@ def traced_placement(x: Any) -> tuple[str, Any]:
         t = _compat.jaxpr_tracer(x)
         if t is None:
             return _value_placement(x)
+
+
+_UNREADABLE_WARNED: list[bool] = []
+
+
+def placement_readable() -> bool:
+    """Whether `traced_placement` can read the placement of `jax.jit`'s inputs on this JAX
+    (`compat.jit_frames_readable`, probed once per process); True on one device, where nothing
+    is sharded. Where it cannot, a `RuntimeWarning` says so, once per process."""
+    if jax.device_count() == 1 or _compat.jit_frames_readable():
+        return True
+    if not _UNREADABLE_WARNED:
+        _UNREADABLE_WARNED.append(True)
+        import warnings
+
+        warnings.warn(
+            f"jremat: {_unreadable_why()} jremat.auto therefore treats the placement of every "
+            "value traced inside jax.jit in the Auto sharding mode as unknown and refuses to "
+            "plan it; pass in_shardings= to jremat.auto (the shardings its arguments run under, "
+            "PartitionSpec() where they are not sharded) or use a mesh with Explicit axes "
+            "(jax.make_mesh(..., axis_types=(jax.sharding.AxisType.Explicit, ...)) under "
+            "jax.set_mesh), whose tracers carry their shardings.",
+            RuntimeWarning,
+            stacklevel=_caller_stacklevel(through_jax=True),
+        )
+    return False
+
+
+def _unreadable_why() -> str:
+    return (
+        f"on jax {jax.__version__}, jremat cannot read how jax.jit places its inputs (its read "
+        "of JAX-internal frames, compat.jit_traces, failed its self-check; jremat is tested on "
+        "jax 0.10 to 0.12, see docs/guides/jax-versions.md)."
+    )
 
 
 def _on_a_mesh(t: Any) -> bool:
@@ -376,15 +412,19 @@ def _has_spec(in_shardings: Any) -> bool:
     return any(isinstance(s, PartitionSpec) for s in leaves)
 
 
-def _caller_stacklevel() -> int:
-    """`warnings.warn`'s stacklevel of the first frame outside jremat (the user's call)."""
+def _caller_stacklevel(through_jax: bool = False) -> int:
+    """`warnings.warn`'s stacklevel of the first frame outside jremat (the user's call), and
+    outside JAX too where `through_jax` (a call from inside a caller's `jax.jit` trace)."""
     import os
     import sys
 
     # jremat/ itself: this file is jremat/_src/base/sharding.py
     here = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    inside = [here + os.sep]
+    if through_jax:
+        inside.append(os.path.dirname(os.path.abspath(jax.__file__)) + os.sep)
     frame, level = sys._getframe(1), 1
-    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(here + os.sep):
+    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(tuple(inside)):
         frame, level = frame.f_back, level + 1
     return level
 
@@ -400,6 +440,9 @@ def check_known(args: Sequence[Any], avals: Sequence[Any], in_shardings: Any = N
     """
     if in_shardings is not None or manual_axes():
         return
+    mesh = _ambient_mesh()
+    if mesh is not None and explicit_axes(mesh):
+        return  # explicit mode: a tracer's type says its sharding (none: replicated)
     flat, flat_avals = jax.tree_util.tree_leaves(args), jax.tree_util.tree_leaves(avals)
     hidden = [
         i
@@ -409,12 +452,19 @@ def check_known(args: Sequence[Any], avals: Sequence[Any], in_shardings: Any = N
         and hasattr(x, "shape")
         and traced_placement(x)[0] == "unknown"
     ]
-    mesh = _ambient_mesh()
-    if mesh is not None and explicit_axes(mesh):
-        return  # explicit mode: a tracer's type says its sharding (none: replicated)
     devices = jax.device_count()
     if not hidden or (mesh is None and devices == 1) or (mesh is not None and mesh.size == 1):
         return
+    if not placement_readable():
+        raise ValueError(
+            f"jremat.auto is called inside jax.jit, but {_unreadable_why()} The placement of "
+            f"its traced arguments is unknown ({len(hidden)} of {len(flat)} array leaves: "
+            f"{_leaf_names(args, hidden)}), and jremat does not plan for a guess. Pass "
+            "in_shardings= (as to jax.jit: the shardings the arguments run under, with mesh= "
+            "or jax.set_mesh for PartitionSpecs; in_shardings=PartitionSpec() if they are not "
+            "sharded), or use a mesh with Explicit axes (jax.sharding.AxisType.Explicit, "
+            "jax.make_mesh's default, under jax.set_mesh), whose tracers carry their shardings."
+        )
     where = (
         f"under the mesh {mesh_axes(mesh)} (Auto axes)"
         if mesh is not None
@@ -576,6 +626,69 @@ def bind_axes_step(
         return sm(*jax.tree_util.tree_leaves(a))
 
     return h, tuple(jax.tree_util.tree_unflatten(tree, glob))
+
+
+# -- arrays jremat makes: their sharding stated where JAX's explicit mode asks for one ---------
+def explicit_sharding(x: Any) -> Any:
+    """The `NamedSharding` in the type of traced or concrete array `x` where its mesh has
+    Explicit axes (`jax.make_mesh`'s default; JAX then asks every reshape, broadcast and
+    gather that cannot infer its output's sharding to state it); None otherwise."""
+    try:
+        s = getattr(jax.typeof(x), "sharding", None)
+    except TypeError:
+        return None
+    if isinstance(s, NamedSharding) and explicit_axes(s.mesh):
+        return s
+    return None
+
+
+def split_rows(x: Any, k: int) -> Any:
+    """`x` (batch axis 0, `B` rows) as `(k, B // k, ...)`, microbatch `j` (index `j` of the
+    new axis) holding rows `j, j + k, j + 2k, ...` (the column-major split of
+    `optax.microbatching.reshape_batch_axis`): a device's rows of a batch sharded along axis
+    0 stay on it, so the split moves no data. Under explicit sharding the output sharding is
+    stated: the new axis unsharded, the rows' axes on the second.
+
+    Raises:
+      ValueError: under explicit sharding, `B // k` rows do not split evenly over the
+        devices that share the batch axis (naming the `num_microbatches` that do).
+    """
+    rows = int(x.shape[0])
+    shape = (k, rows // k, *x.shape[1:])
+    s = explicit_sharding(x)
+    if s is None:
+        return x.reshape(shape, order="F")
+    spec = list(s.spec) + [None] * (len(x.shape) - len(s.spec))
+    shards = math.prod(mesh_axes(s.mesh)[a] for a in spec_axes(spec[0]))
+    if (rows // k) % shards:
+        fits = [d for d in range(1, rows + 1) if rows % d == 0 and (rows // d) % shards == 0]
+        raise ValueError(
+            f"num_microbatches={k} leaves {rows // k} rows per microbatch, which the {shards} "
+            f"devices sharing the batch axis ({PartitionSpec(*spec)} on mesh "
+            f"{mesh_axes(s.mesh)}) do not split evenly; accepted num_microbatches: "
+            f"{', '.join(map(str, fits[:24]))}{', ...' if len(fits) > 24 else ''}."
+        )
+    with _on_mesh(s.mesh):
+        return x.reshape(shape, order="F", out_sharding=PartitionSpec(None, *spec))
+
+
+def stacked_zeros(x: Any, k: int, dtype: Any = None) -> Any:
+    """Zeros of shape `(k, *x.shape)` (dtype `x`'s unless given), sharded as `x` on the
+    trailing axes under explicit sharding (the new axis unsharded)."""
+    dtype = x.dtype if dtype is None else dtype
+    s = explicit_sharding(x)
+    if s is None:
+        return jax.numpy.zeros((k, *x.shape), dtype)
+    with _on_mesh(s.mesh):
+        return jax.numpy.zeros((k, *x.shape), dtype, out_sharding=PartitionSpec(None, *s.spec))
+
+
+def _on_mesh(mesh: Any) -> Any:
+    """A context in which `mesh`'s (abstract) mesh is the current one, for `out_sharding=`
+    given as a PartitionSpec: outside `jax.set_mesh`, jax 0.12 drops an `out_sharding`
+    NamedSharding over an abstract mesh from `jnp.zeros` and `broadcast_in_dim` (measured:
+    `float32[3,64]` where `float32[3,64@data]` was asked; jax 0.10 keeps it)."""
+    return jax.sharding.use_abstract_mesh(getattr(mesh, "abstract_mesh", mesh))
 
 
 # -- specs -------------------------------------------------------------------------------------

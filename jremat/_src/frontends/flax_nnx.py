@@ -66,9 +66,12 @@ def planned_call(
     nodes = [leaves[i] for i in node_idx]
     graphdef, state = nnx.split(nodes)
     state_leaves, state_tree = jax.tree_util.tree_flatten(state)
+    changed: set[tuple[Any, ...]] = set()  # the paths of the variables the call changed
 
     def pure(state_leaves, arrays):
-        merged = nnx.merge(graphdef, jax.tree_util.tree_unflatten(state_tree, state_leaves))
+        given = jax.tree_util.tree_unflatten(state_tree, state_leaves)
+        before = flat_leaves(given)  # now: merge shares the variables, which the call mutates
+        merged = nnx.merge(graphdef, given)
         vals = list(leaves)
         for i, m in zip(node_idx, merged, strict=True):
             vals[i] = m
@@ -77,6 +80,7 @@ def planned_call(
         a, k = jax.tree_util.tree_unflatten(treedef, vals)
         out = fn(*a, **k)
         _, new_state = nnx.split(merged)
+        changed.update(changed_paths(before, new_state))
         return out, new_state
 
     operands = (state_leaves, [leaves[i] for i in arr_idx])
@@ -93,7 +97,37 @@ def planned_call(
         prevent_cse=prevent_cse,
     )
     out, new_state = jax.tree_util.tree_unflatten(out_tree, outs)
-    nnx.update(nodes, new_state)
+    if changed:  # only what the call changed: the rest may belong to an outer trace
+        nnx.update(nodes, new_state.filter(lambda path, _: tuple(path) in changed))
+    return out
+
+
+def flat_leaves(state: Any) -> dict[tuple[Any, ...], list[Any]]:
+    """{path: the array leaves of the variable there} of NNX state `state`, read now."""
+    return {tuple(p): jax.tree_util.tree_leaves(v) for p, v in nnx.to_flat_state(state)}
+
+
+def changed_paths(before: dict[tuple[Any, ...], list[Any]], after: Any) -> set[tuple[Any, ...]]:
+    """The paths of the variables of NNX state `after` whose values are not those `before`
+    held (`flat_leaves` of the state given, read before the call; compared by identity:
+    traced in one `make_jaxpr`, a variable the call left alone holds the very tracer it was
+    given), and of the variables `before` lacks.
+
+    The write-back updates only these (RNG counts, batch statistics, other mutable
+    collections): updating a variable at all, even to its own value, is a mutation, which NNX
+    refuses for a variable created at an outer trace level, e.g. parameters merged under
+    `jax.value_and_grad` and closed over by a `lax.scan`, `fori_loop` or `cond` body
+    (`TraceContextError`; docs/design.md#robust-where-it-runs-issue-47)."""
+    out = set()
+    for p, v in nnx.to_flat_state(after):
+        path, new = tuple(p), jax.tree_util.tree_leaves(v)
+        was = before.get(path)
+        if (
+            was is None
+            or len(was) != len(new)
+            or any(a is not b for a, b in zip(was, new, strict=True))
+        ):
+            out.add(path)
     return out
 
 

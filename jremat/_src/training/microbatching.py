@@ -15,6 +15,7 @@ import jax.numpy as jnp
 from optax import microbatching as omb
 
 from jremat._src.base.args import as_int
+from jremat._src.base.sharding import split_rows, stacked_zeros
 from jremat._src.training.accumulation import check_float_dtype, warn_batch_stats_once
 
 __all__ = ["microbatch"]
@@ -42,8 +43,9 @@ def _leafwise(init, update, finalize) -> omb.Accumulator:
 
 
 def _aux_accumulator(kind: str, k: int) -> omb.Accumulator:
+    # zeros_like and stacked_zeros keep each value's sharding: a loop carry must keep its type
     if kind == "sum":
-        return _leafwise(lambda v: jnp.zeros(v.shape, v.dtype), lambda c, v, i: c + v, lambda c: c)
+        return _leafwise(jnp.zeros_like, lambda c, v, i: c + v, lambda c: c)
     if kind == "mean":
 
         def init(v):
@@ -54,7 +56,7 @@ def _aux_accumulator(kind: str, k: int) -> omb.Accumulator:
                     "(aux_reduction may be a pytree prefix of aux, e.g. "
                     "{'metrics': 'mean', 'n_correct': 'sum'})."
                 )
-            return jnp.zeros(v.shape, _acc_dtype(v.dtype, None))
+            return jnp.zeros_like(v, dtype=_acc_dtype(v.dtype, None))
 
         return _leafwise(
             init,
@@ -62,10 +64,10 @@ def _aux_accumulator(kind: str, k: int) -> omb.Accumulator:
             lambda c: c / k,
         )
     if kind == "last":
-        return _leafwise(lambda v: jnp.zeros(v.shape, v.dtype), lambda c, v, i: v, lambda c: c)
+        return _leafwise(jnp.zeros_like, lambda c, v, i: v, lambda c: c)
     if kind == "stack":
         return _leafwise(
-            lambda v: jnp.zeros((k, *v.shape), v.dtype),
+            lambda v: stacked_zeros(v, k),
             lambda c, v, i: c.at[i].set(v),
             lambda c: c,
         )
@@ -293,17 +295,26 @@ def microbatch(
         return (cast(value), jax.tree.map(cast, grads), count, aux)
 
     def microbatched(params: Any, batch: Any, *args: Any, **kwargs: Any):
-        size = leading_batch_size(batch, k)
+        leading_batch_size(batch, k)  # checks the batch (k divides its rows)
         warn_batch_stats_once("jremat.microbatch", params)
         main = omb.AccumulationType.MEAN if reduction == "mean" else omb.AccumulationType.SUM
         aux_acc = jax.tree.map(lambda r: _aux_accumulator(r, k), aux_reduction) if has_aux else None
+        # jremat splits the batch itself, stating the split's sharding under explicit
+        # sharding (optax 0.2.8 reshapes without it on jax >= 0.10: its version check
+        # compares strings); optax loops over the microbatch indices and accumulates
+        split = jax.tree.map(lambda x: split_rows(x, k), batch)
+
+        def indexed(params, index, split, *args, **kwargs):
+            mb = jax.tree.map(lambda x: x[index[0]], split)
+            return one(params, mb, *args, **kwargs)
+
         run = omb.microbatch(
-            one,
+            indexed,
             argnums=1,
-            microbatch_size=size // k,
+            microbatch_size=1,
             accumulator=(main, main, omb.AccumulationType.SUM, aux_acc),
         )
-        value, grads, count, aux = run(params, batch, *args, **kwargs)
+        value, grads, count, aux = run(params, jnp.arange(k), split, *args, **kwargs)
         if weighted:
             value = value / count
             grads = jax.tree.map(lambda g: g / count, grads)

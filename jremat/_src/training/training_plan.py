@@ -19,9 +19,10 @@ import jax
 import optax
 
 from jremat._src.base import compat as _compat
-from jremat._src.base.args import abstract_args, check_flag, check_scalar_output
+from jremat._src.base.args import check_flag, check_scalar_output
 from jremat._src.base.budget import parse_budget
 from jremat._src.base.errors import InfeasibleBudgetError
+from jremat._src.base.sharding import shard_args
 from jremat._src.base.targets import args_device
 from jremat._src.compile import xla
 from jremat._src.compile.program import Program
@@ -264,7 +265,8 @@ def plan_training(
             raise ValueError(f"remat_budgets must be floats in (0, 1]; got {f!r}.")
     check_flag("has_aux", has_aux)
     check_aux_reduction(aux_reduction)  # here, not only once a config of k > 1 is compiled
-    params_a, batch_a = abstract_args((params, batch))
+    # with the shardings the arguments carry (explicit or committed): figures per device
+    params_a, batch_a = shard_args((params, batch))
     size = leading_batch_size(batch_a, 1)
     check_scalar_output(loss_fn, (params_a, batch_a), has_aux)
     ks = _default_candidates(size) if candidates is None else _check_candidates(candidates, size)
@@ -304,7 +306,10 @@ def plan_training(
         if consider(k, None, None):
             break  # fits without remat: larger k or remat would only add FLOPs
         micro = jax.tree.map(
-            lambda x, k=k: jax.ShapeDtypeStruct((x.shape[0] // k, *x.shape[1:]), x.dtype), batch_a
+            lambda x, k=k: jax.ShapeDtypeStruct(
+                (x.shape[0] // k, *x.shape[1:]), x.dtype, sharding=getattr(x, "sharding", None)
+            ),
+            batch_a,
         )
         prog = Program(loss_fn, (params_a, micro), 0, has_aux=has_aux)
         seen: set[str] = set()
