@@ -108,7 +108,7 @@ def target_mesh(
         whose length differs from `axis_names` or whose product is not the device count.
       RuntimeError: a TPU target without libtpu installed (names the install command).
 
-    Example:
+    Examples:
       >>> import jax, jax.numpy as jnp, jremat
       >>> from jax.sharding import NamedSharding, PartitionSpec as P
       >>> mesh = jremat.target_mesh("local")
