@@ -1,9 +1,10 @@
 """mkdocs hook: the benchmark results (`benchmarks/results/*.md`, with their plots) as pages.
 
 Each results file becomes the page `benchmarks/<name>.md`, listed under Benchmarks in the
-navigation after `benchmarks/index.md`, so the site shows what the benchmark scripts last wrote
-without a copy to keep in step. Links from a results file into `docs/` are rewritten to the
-page's place in the site; the Pareto plots are copied beside the pages.
+navigation after `benchmarks/index.md` (titled by its first heading), so the site shows what
+the benchmark scripts last wrote without a copy to keep in step. Links from a results file
+into `docs/` are rewritten to the page's place in the site; the Pareto plots are copied beside
+the pages.
 """
 
 from __future__ import annotations
@@ -47,27 +48,30 @@ def rewrite_links(text: str) -> str:
     return re.sub(r"\[([^\]]*)\]\(([^)\s]+)\)", fix, text)
 
 
-#: navigation titles of the results pages (a file not named here is listed by its name)
-TITLES = {
-    "results.md": "Every solver, six models",
-    "heldout.md": "Held-out acceptance",
-    "floors.md": "Smallest budgets",
-    "plan_cost.md": "Planning cost",
-    "figures_only.md": "Figures-only compiles",
-    "gpu.md": "Device benchmark",
-    "vs_pytorch.md": "jremat vs PyTorch",
-    "vs_pytorch_per_value.md": "vs PyTorch, per-value save sets",
-    "heldout_values.md": "Per-value MILP reference",
-}
+def nav_title(path: Path) -> str:
+    """A results page's navigation title: its first `# ` heading, less the run details the
+    scripts append (`Floors (0.10.2, cpu, 1467 s)` -> `Floors`, `Planning cost: <a script>`
+    -> `Planning cost`); the file's name where it has no heading."""
+    for line in path.read_text(encoding="utf-8").splitlines():
+        if line.startswith("# "):
+            title = re.sub(r"\s*\([^()]*\)$", "", line[2:].strip())  # "(0.10.2, cpu, 368 s)"
+            title = re.sub(r":\s*`[^`]*`$", "", title)  # ": `benchmarks/plan_cost.py`"
+            return title.strip() or path.stem
+    return path.stem
 
 
 def on_config(config):
     for entry in config["nav"]:
         if isinstance(entry, dict) and "Benchmarks" in entry:
-            entry["Benchmarks"] += [
-                {TITLES.get(p.name, p.stem): f"{SITE_DIR}/{p.name}"} for p in result_pages()
-            ]
+            entry["Benchmarks"] += [{nav_title(p): f"{SITE_DIR}/{p.name}"} for p in result_pages()]
     return config
+
+
+def on_page_markdown(markdown, page, config, files):
+    """`{{ github_repo_url }}` on a page: the repository's address (`extra.github_repo` of
+    mkdocs.yml, the one place it is written)."""
+    url = f"https://github.com/{config['extra']['github_repo']}"
+    return markdown.replace("{{ github_repo_url }}", url)
 
 
 def on_files(files, config):
