@@ -1,14 +1,22 @@
-"""mkdocs hook: the benchmark results (`benchmarks/results/*.md`, with their plots) as pages.
+"""mkdocs hook: the benchmark results (`benchmarks/results/*.md`, with their plots) as pages,
+the example files on the Examples pages, and the repository's address.
 
 Each results file becomes the page `benchmarks/<name>.md`, listed under Benchmarks in the
 navigation after `benchmarks/index.md` (titled by its first heading), so the site shows what
 the benchmark scripts last wrote without a copy to keep in step. Links from a results file
 into `docs/` are rewritten to the page's place in the site; the Pareto plots are copied beside
 the pages.
+
+An Examples page (`docs/examples/*.md`) says `<!-- include: examples/<file> -->` where the
+example goes: a script is shown as one Python block, the notebook as its Markdown and code
+cells, read from the file when the site is built, so a page never shows an older copy.
+`{{ github_repo_url }}` and `{{ github_repo }}` on a page become the repository's address,
+written once, as `extra.github_repo` in mkdocs.yml.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import re
 from pathlib import Path
@@ -19,6 +27,7 @@ ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
 DOCS = ROOT / "docs"
 SITE_DIR = "benchmarks"  # the pages' folder in the site (docs/benchmarks/ holds index.md)
+INCLUDE = re.compile(r"^<!-- include: (examples/\S+) -->$", re.M)
 
 
 def result_pages() -> list[Path]:
@@ -67,11 +76,43 @@ def on_config(config):
     return config
 
 
+def script_markdown(path: Path) -> str:
+    """An example script as one Python block titled with its path."""
+    rel = path.relative_to(ROOT).as_posix()
+    return f'```python title="{rel}"\n{path.read_text(encoding="utf-8").rstrip()}\n```'
+
+
+def notebook_markdown(path: Path) -> str:
+    """A notebook's cells as Markdown: its text cells with headings one level down (the page
+    has its own title; the notebook's `# ` title is left out), its code cells as Python
+    blocks; outputs are left out (GitHub and Colab show the saved ones)."""
+    out = []
+    for cell in json.loads(path.read_text(encoding="utf-8"))["cells"]:
+        source = "".join(cell["source"]).rstrip()
+        if cell["cell_type"] == "code":
+            out.append(f"```python\n{source}\n```")
+        elif cell["cell_type"] == "markdown":
+            parts = re.split(r"(^```.*?^```)", source, flags=re.M | re.S)  # fences kept as is
+            for i in range(0, len(parts), 2):
+                parts[i] = re.sub(r"^# .*\n*", "", parts[i], flags=re.M)
+                parts[i] = re.sub(r"^(#{2,5}) ", r"#\1 ", parts[i], flags=re.M)
+            out.append("".join(parts).strip())
+    return "\n\n".join(part for part in out if part)
+
+
+def include_markdown(rel: str) -> str:
+    """What `<!-- include: rel -->` becomes; a missing file fails the build."""
+    path = ROOT / rel
+    if not path.is_file():
+        raise FileNotFoundError(f"an Examples page includes {rel}, which does not exist")
+    return notebook_markdown(path) if path.suffix == ".ipynb" else script_markdown(path)
+
+
 def on_page_markdown(markdown, page, config, files):
-    """`{{ github_repo_url }}` on a page: the repository's address (`extra.github_repo` of
-    mkdocs.yml, the one place it is written)."""
-    url = f"https://github.com/{config['extra']['github_repo']}"
-    return markdown.replace("{{ github_repo_url }}", url)
+    markdown = INCLUDE.sub(lambda m: include_markdown(m[1]), markdown)
+    repo = config["extra"]["github_repo"]
+    markdown = markdown.replace("{{ github_repo_url }}", f"https://github.com/{repo}")
+    return markdown.replace("{{ github_repo }}", repo)
 
 
 def on_files(files, config):

@@ -12,6 +12,9 @@ HTML with the extensions of mkdocs.yml, without building the site, and fails on:
 * a blockquote whose text starts with `=`, `>` or a digit (a wrapped comparison), or one
   nested directly in another (a `>>>` example rendered as quotes);
 * a shell line in a ```bash block wider than the content column (it is cut off on the page).
+
+The Examples pages are checked with the example files docs/hooks.py puts in them, and every
+script and notebook of examples/ has its page.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import html
 import inspect
 import logging
 import re
+import sys
 from pathlib import Path
 
 import pytest
@@ -41,6 +45,9 @@ BASH_COLUMNS = 80
 #: pages whose numbered lists interrupt a paragraph; not fixed here (design.md is another
 #: change's), listed so that no other page gains one
 ORDERED_LIST_KNOWN = {"design.md"}
+
+sys.path.insert(0, str(DOCS))
+import hooks  # noqa: E402  (docs/hooks.py: what the Examples pages include)
 
 
 def _extensions() -> tuple[list[str], dict]:
@@ -88,6 +95,7 @@ def defects(rendered: str, ordered: bool = True) -> list[str]:
 @pytest.mark.parametrize("page", sorted(PAGES))
 def test_page_renders_lists_and_text(page):
     text = _without_autodoc(PAGES[page].read_text(encoding="utf-8"))
+    text = hooks.INCLUDE.sub(lambda m: hooks.include_markdown(m[1]), text)
     found = defects(to_html(text), ordered=page not in ORDERED_LIST_KNOWN)
     assert not found, (
         f"{page}: {found} (a list needs a blank line before it; reword or rewrap a line that "
@@ -133,6 +141,18 @@ def test_shell_lines_fit_the_column():
         for block in re.findall(r"^```bash\n(.*?)^```", text, flags=re.M | re.S):
             wide += [f"{page}: {line}" for line in block.splitlines() if len(line) > BASH_COLUMNS]
     assert not wide, f"shell lines over {BASH_COLUMNS} characters (break them with `\\`): {wide}"
+
+
+def test_every_example_has_a_page():
+    included = {m for p in PAGES.values() for m in hooks.INCLUDE.findall(p.read_text())}
+    examples = {
+        p.relative_to(ROOT).as_posix()
+        for p in sorted((ROOT / "examples").iterdir())
+        if p.suffix in (".py", ".ipynb")
+    }
+    assert included == examples, (
+        f"examples without a page under docs/examples/: {examples - included}"
+    )
 
 
 def test_the_checks_catch_the_defects():
