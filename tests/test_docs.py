@@ -38,7 +38,12 @@ DOCS = ROOT / "docs"
 PAGES = sorted(DOCS.rglob("*.md"))
 FENCES = {"", "python", "bash", "text"}
 #: blocks marked `<!-- not run: ... -->`, per page
-NOT_RUN = {"guides/sharding.md": 1, "guides/plan-cache.md": 1, "guides/tpu.md": 1}
+NOT_RUN = {
+    "guides/sharding.md": 1,
+    "guides/plan-cache.md": 1,
+    "guides/tpu.md": 1,
+    "faq.md": 1,
+}
 PUBLIC_MODULES = ("jremat.policies", "jremat.models", "jremat.data", "jremat.cli")
 
 _BLOCK = re.compile(
