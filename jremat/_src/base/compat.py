@@ -354,6 +354,25 @@ def manual_axis_type(x: Any) -> Any:
     return mat if mat is not None and getattr(mat, "varying", None) else None
 
 
+def varying_axes(x: Any) -> frozenset[str]:
+    """The manual mesh axes a value traced inside a `shard_map` body varies over (its type's
+    `vma`: `jax.typeof(x).mat.varying` on jax 0.10 and 0.12); empty outside a body, under
+    `check_vma=False` and for concrete values."""
+    mat = manual_axis_type(x)
+    return frozenset(mat.varying) if mat is not None else frozenset()
+
+
+def aval_manual(aval: Any) -> tuple[Any, Any] | None:
+    """`(manual-axis type, sharding)` of a jaxpr variable's aval traced inside a `shard_map`
+    body that varies over some of its axes (`f32[8,32]{V:data}`): what a `ShapeDtypeStruct`
+    standing for it needs (`shape_dtype(..., manual=..., sharding=...)`; the manual-axis
+    type alone fails an assertion in tracing, jax 0.10 and 0.12). None otherwise."""
+    mat = getattr(aval, "mat", None)
+    if mat is None or not getattr(mat, "varying", None):
+        return None
+    return mat, getattr(aval, "sharding", None)
+
+
 def shape_dtype(x: Any, shape: Any = None, manual: Any = None, **kw: Any) -> Any:
     """`jax.ShapeDtypeStruct` of `x`'s dtype (and shape unless given), carrying `manual` (a
     manual-axis type from `manual_axis_type`) when not None."""

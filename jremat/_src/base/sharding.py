@@ -533,6 +533,17 @@ def manual_axes() -> dict[str, int]:
     return {n: sizes[n] for n in names}
 
 
+def tie_for(tie: Any, x: Any) -> Any:
+    """`tie`, a scalar jremat adds to `x` to order work without changing its value (a zero read
+    from other values), in a type `x + tie` keeps: inside a `shard_map` body with checked
+    varying axes, summed (`psum`) over the manual axes `tie` varies over and `x` does not. An
+    invariant value (a replicated parameter) tied to a varying one (read from a split batch)
+    would otherwise turn varying, and a jaxpr traced at its type (its `pvary`s) no longer
+    re-evaluates on it (docs/design.md#sharding). `tie` itself where no axis is extra."""
+    extra = _compat.varying_axes(tie) - _compat.varying_axes(x)
+    return jax.lax.psum(tie, tuple(a for a in manual_axes() if a in extra)) if extra else tie
+
+
 def bind_axes(
     fn: Callable[..., Any], axes: Mapping[str, int], args: Sequence[Any]
 ) -> tuple[Callable[..., Any], tuple]:

@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jremat._src.base import compat as _compat
+from jremat._src.base import sharding
 from jremat._src.compile.program import Compiled, Objective, Program
 from jremat._src.compile.xla import MemoryFigures
 from jremat._src.plan.plan import KEEP, SAVE_NAMES, Plan, Segment
@@ -147,7 +148,7 @@ class KeptBytes(Objective):
             floats = [o.reshape(-1)[0].astype(jnp.float32) for o in first if _is_diff(o)]
             floats = [o for o in floats if o.size]
             tie = sum(floats) * 0.0 if floats else jnp.float32(0.0)
-            second = f(tuple(d + tie.astype(d.dtype) for d in diff), rest)
+            second = f(tuple(d + sharding.tie_for(tie, d).astype(d.dtype) for d in diff), rest)
             return pairing(first, mask) + pairing(second, mask, salt=len(mask))
 
         return step

@@ -48,6 +48,9 @@ class Value:
     global_nbytes: int | None = None
     spec: tuple[tuple[str, ...], ...] | None = None
     jax_dtype: Any = dataclasses.field(default=None, compare=False, repr=False)
+    #: inside a `shard_map` body, `(manual-axis type, sharding)` of a value that varies over
+    #: some of its manual axes (`_compat.aval_manual`; None otherwise): part of its type
+    manual: Any = dataclasses.field(default=None, compare=False, repr=False)
 
     @property
     def saveable(self) -> bool:
@@ -59,10 +62,13 @@ class Value:
     @property
     def struct(self) -> jax.ShapeDtypeStruct:
         """The value's global aval, `jax.ShapeDtypeStruct(shape, jax_dtype)` (extended dtypes
-        too: built from the dtype object, never its name)."""
-        return jax.ShapeDtypeStruct(
-            self.shape, self.dtype if self.jax_dtype is None else self.jax_dtype
-        )
+        too: built from the dtype object, never its name); inside a `shard_map` body with the
+        manual axes it varies over (a jaxpr traced at it re-traces as the body's did)."""
+        dtype = self.dtype if self.jax_dtype is None else self.jax_dtype
+        if self.manual is None:
+            return jax.ShapeDtypeStruct(self.shape, dtype)
+        mat, sharding = self.manual
+        return jax.ShapeDtypeStruct(self.shape, dtype, sharding=sharding, manual_axis_type=mat)
 
 
 @dataclasses.dataclass
@@ -172,6 +178,7 @@ class _Builder:
                 global_nbytes=nbytes,
                 spec=spec,
                 jax_dtype=dtype,
+                manual=_compat.aval_manual(aval),
             )
         )
         return vid
