@@ -174,10 +174,14 @@ def executable_target(executable: Any) -> str:
 
 def _executable_devices(executable: Any) -> list[Any]:
     """The devices of a compiled executable's input (else output) shardings, by id."""
-    for shardings in (
-        getattr(executable, "input_shardings", None),
-        getattr(executable, "output_shardings", None),
-    ):
+    for name in ("input_shardings", "output_shardings"):
+        try:
+            shardings = getattr(executable, name, None)
+        # a jit traced inside the caller's jit that closes over its tracers: JAX passes them
+        # as inputs of their own, which its `input_shardings` fails to unflatten (jax 0.10
+        # and 0.12); its outputs are read instead
+        except ValueError:
+            continue
         for leaf in jax.tree_util.tree_leaves(shardings):
             devices = getattr(leaf, "device_set", None)
             if devices:

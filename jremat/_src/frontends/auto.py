@@ -149,11 +149,13 @@ def auto(
       offload: host offload as in `jremat.plan`: None (default) never offloads; True or a
         `jremat.OffloadCost(host_bandwidth=bytes/s, device_flops=FLOP/s)` lets segments move
         residuals to pinned host memory where the transfer is cheaper than recomputing.
-      has_aux: plain loss functions: `fn` returns a pair `(loss, aux)`, aux any pytree of
-        arrays (metrics, updated batch statistics), for `jax.value_and_grad(...,
-        has_aux=True)`; the step planned and verified is `jit(value_and_grad(fn,
-        has_aux=True))`, which computes both. Default False (then a returned pair raises a
-        TypeError naming `has_aux`). Flax targets return any outputs already and refuse it.
+      has_aux: loss functions, plain or of NNX modules (Flax's `loss_fn(params, rngs)`):
+        `fn` returns a pair `(loss, aux)`, aux any pytree of arrays (metrics, updated batch
+        statistics), for `jax.value_and_grad(..., has_aux=True)`; the step planned and
+        verified is `jit(value_and_grad(fn, has_aux=True))`, which computes both, and the
+        plan is checked on the `jit(grad)` step that drops the aux too. Default False (then a
+        returned pair raises a TypeError naming `has_aux`). Flax modules (classes, linen
+        methods) return any outputs already and refuse it.
 
     Returns:
       For a function, the wrapped function: `wrapper.plans` maps each key (signature,
@@ -280,7 +282,6 @@ def _auto_function(
             from jremat._src.frontends.flax_nnx import has_graph_node, make_caller
 
             if has_graph_node((args, kwargs)):
-                _refuse_aux_for_flax(options, fn)
                 _warn_flax_vmap(fn, (args, kwargs))
                 if "nnx" not in flax_state:
                     flax_state["nnx"] = make_caller(fn, options, cache, self_counted=_is_method(fn))
@@ -409,13 +410,13 @@ def _user_stacklevel() -> int:
 
 
 def _refuse_aux_for_flax(options: AutoOptions, target: Any) -> None:
-    """A Flax block is planned by what it keeps whatever it returns: `has_aux` means nothing
-    there, and is refused rather than ignored."""
+    """A Flax module is planned by what it keeps whatever it returns: `has_aux` means nothing
+    there, and is refused rather than ignored (a function of NNX modules takes it: a loss)."""
     if options.has_aux:
         raise TypeError(
-            f"has_aux=True applies to plain loss functions; {getattr(target, '__name__', target)}"
-            " is a Flax module or a function of modules, whose outputs may be any pytree "
-            "already. Drop has_aux, and pass has_aux=True to jax.value_and_grad as usual."
+            f"has_aux=True applies to loss functions; {getattr(target, '__name__', target)}"
+            " is a Flax module, whose outputs may be any pytree already. Drop has_aux, and "
+            "pass has_aux=True to jax.value_and_grad as usual."
         )
 
 

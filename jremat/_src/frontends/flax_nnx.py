@@ -15,6 +15,9 @@ import numpy as np
 from flax import nnx
 from flax.nnx import graph as nnx_graph
 
+from jremat._src.base import compat as _compat
+from jremat._src.base.args import check_loss_output
+from jremat._src.base.sharding import shard_args
 from jremat._src.frontends.blocks import run_block
 from jremat._src.frontends.cache import PlanCache
 from jremat._src.frontends.flax_linen import (
@@ -25,6 +28,8 @@ from jremat._src.frontends.flax_linen import (
     split_static,
 )
 from jremat._src.frontends.options import AutoOptions
+from jremat._src.plan.rewrite import run_graph
+from jremat._src.trace.graph import build_graph
 
 
 def is_module_class(target: Any) -> bool:
@@ -53,12 +58,23 @@ def planned_call(
     prevent_cse: bool,
     args: tuple[Any, ...],
     kwargs: dict[str, Any],
+    has_aux: bool = False,
 ) -> Any:
     """Run `fn(*args, **kwargs)` through its traced jaxpr under the plan for its signature,
     then update the modules among the arguments with their new state (docs/design.md#flax-blocks).
 
+    A call the caller differentiates that returns a scalar float loss (with `has_aux`, a pair
+    `(loss, aux)`) is a loss function of modules (Flax's gemma example's `loss_fn(params,
+    rngs)`): it is planned as `jremat.auto` plans a plain loss, on the step that runs
+    (`_run_loss`). Anything else is a block, planned by what it keeps (`run_block`).
+
     Array leaves of the arguments are traced; other leaves (the static arguments) are closed
-    over as they are, so a Python value that is not declared static is static here too.
+    over as they are, so a Python value that is not declared static is static here too. Only
+    the variables the call changed are written back (`changed_paths`).
+
+    Raises:
+      TypeError: `has_aux` and the call does not return a pair `(loss, aux)` of a scalar float
+        loss and any pytree.
     """
     leaves, treedef = jax.tree_util.tree_flatten((args, kwargs), is_leaf=nnx_graph.is_graph_node)
     node_idx = [i for i, x in enumerate(leaves) if nnx_graph.is_graph_node(x)]
@@ -83,23 +99,65 @@ def planned_call(
         changed.update(changed_paths(before, new_state))
         return out, new_state
 
+    def written(new_state: Any) -> Any:
+        """The part of `new_state` the write-back updates."""
+        return new_state.filter(lambda path, _: tuple(path) in changed)
+
     operands = (state_leaves, [leaves[i] for i in arr_idx])
+    flat = jax.tree_util.tree_leaves(operands)
+    diff = tuple(i for i, x in enumerate(flat) if _compat.is_differentiated(x))
     closed, out_shape = jax.make_jaxpr(pure, return_shape=True)(*operands)
-    out_leaves, out_tree = jax.tree_util.tree_flatten(out_shape)
-    n_out = len(jax.tree_util.tree_leaves(out_shape[0]))
-    ct_mask = [True] * n_out + [False] * (len(out_leaves) - n_out)
-    outs = run_block(
-        closed,
-        jax.tree_util.tree_leaves(operands),
-        out_leaves,
-        ct_mask,
-        cache,
-        prevent_cse=prevent_cse,
-    )
-    out, new_state = jax.tree_util.tree_unflatten(out_tree, outs)
+    if has_aux:
+        check_loss_output(out_shape[0], has_aux=True)
+    if diff and (has_aux or _is_loss(out_shape[0])):
+        out, new_state = _run_loss(pure, written, operands, diff, cache, prevent_cse, has_aux)
+    else:
+        out_leaves, out_tree = jax.tree_util.tree_flatten(out_shape)
+        n_out = len(jax.tree_util.tree_leaves(out_shape[0]))
+        ct_mask = [True] * n_out + [False] * (len(out_leaves) - n_out)
+        outs = run_block(closed, flat, out_leaves, ct_mask, cache, prevent_cse=prevent_cse)
+        out, new_state = jax.tree_util.tree_unflatten(out_tree, outs)
     if changed:  # only what the call changed: the rest may belong to an outer trace
-        nnx.update(nodes, new_state.filter(lambda path, _: tuple(path) in changed))
+        nnx.update(nodes, written(new_state))
     return out
+
+
+def _is_loss(out: Any) -> bool:
+    """A scalar float output (one leaf): what a loss function returns."""
+    got = jax.tree_util.tree_leaves(out)
+    return len(got) == 1 and got[0].shape == () and _compat.is_float_dtype(got[0].dtype)
+
+
+def _run_loss(
+    pure: Callable[..., Any],
+    written: Callable[[Any], Any],
+    operands: Any,
+    diff: tuple[int, ...],
+    cache: PlanCache,
+    prevent_cse: bool,
+    has_aux: bool,
+) -> tuple[Any, Any]:
+    """`pure(state_leaves, arrays)` (a loss function of modules made pure: `(out,
+    new_state)`) as a plain loss of the leaves of `operands`, the `diff` ones
+    differentiated: planned and verified, as `jremat.auto` plans a loss function, on
+    `jit(value_and_grad(loss, has_aux=True))`, whose aux is the function's own aux and the
+    written part of the new state (`written`: the variables the call changed; the caller's
+    step returns no copies of its parameters). Its budget is then a fraction of that step's
+    unrematerialized temp bytes, the step the caller's `jax.grad` runs
+    (docs/design.md#flax-blocks). Returns the output and the written state."""
+    flat, in_tree = jax.tree_util.tree_flatten(operands)
+
+    def loss(*flat_args: Any) -> Any:
+        out, new_state = pure(*jax.tree_util.tree_unflatten(in_tree, flat_args))
+        value, aux = out if has_aux else (out, ())
+        return value, (aux, written(new_state))
+
+    avals = shard_args(tuple(flat), None, None)
+    graph = build_graph(loss, avals, diff)
+    p = cache.get(graph, loss, avals, argnums=diff, has_aux=True)
+    outs = run_graph(graph, p, flat, prevent_cse=prevent_cse)
+    value, (aux, new_state) = jax.tree_util.tree_unflatten(graph.out_tree, outs)
+    return ((value, aux) if has_aux else value), new_state
 
 
 def flat_leaves(state: Any) -> dict[tuple[Any, ...], list[Any]]:
@@ -146,13 +204,14 @@ def make_caller(
     )
     param_names = _param_names(fn)
     prevent_cse = options.prevent_cse
+    has_aux = options.has_aux
 
     def call(*args: Any, **kwargs: Any) -> Any:
         static_pos, dyn, static_kw, dyn_kw = split_static(
             args, kwargs, nums, names, param_names, owner
         )
         full = tuple(merge_static(static_pos, dyn))
-        return planned_call(fn, cache, prevent_cse, full, {**dyn_kw, **static_kw})
+        return planned_call(fn, cache, prevent_cse, full, {**dyn_kw, **static_kw}, has_aux)
 
     return call
 
