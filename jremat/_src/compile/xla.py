@@ -180,7 +180,7 @@ def _executable_devices(executable: Any) -> list[Any]:
         # a jit traced inside the caller's jit that closes over its tracers: JAX passes them
         # as inputs of their own, which its `input_shardings` fails to unflatten (jax 0.10
         # and 0.12); its outputs are read instead
-        except ValueError:
+        except (ValueError, TypeError):
             continue
         for leaf in jax.tree_util.tree_leaves(shardings):
             devices = getattr(leaf, "device_set", None)
