@@ -245,3 +245,16 @@ def test_a_device_of_unknown_memory_is_refused():
         == 16 * 2**30
     )
     np.testing.assert_equal(targets.device_memory_bytes(jax.devices()[0]) > 0, True)
+
+
+def test_a_loss_closing_over_the_callers_tracers_reads_its_figures():
+    # JAX passes closed-over tracers as inputs of their own, and the executable's
+    # `input_shardings` then fails to unflatten: its devices are read from the outputs
+    params, x = abstract_local()
+
+    @jax.jit
+    def step(params, x):
+        loss = jremat.auto(lambda p: mlp(p, x), budget=0.9, plan_dir=False)
+        return jax.grad(loss)(params)
+
+    chex.assert_trees_all_close(step(params, x), jax.jit(jax.grad(mlp))(params, x))
