@@ -200,6 +200,14 @@ def abstract_local():
 def test_target_names_are_checked():
     with pytest.raises(ValueError, match="accepted: .*tpu:v5e:2x2"):
         jremat.target_mesh("gpu:h100")
+    with pytest.raises(ValueError, match="no dimension of size 0"):  # libtpu: SIGFPE
+        jremat.target_mesh("tpu:v5e:0x0")
+    with pytest.raises(TypeError, match="axis_names must be a tuple of strings"):
+        jremat.target_mesh("local", "data")
+    with pytest.raises(ValueError, match="distinct"):
+        jremat.target_mesh("local", ("a", "a"), (len(jax.devices()), 1))
+    with pytest.raises(TypeError, match="axis_shape must be a tuple of positive ints"):
+        jremat.target_mesh("local", ("a",), (2.5,))
     with pytest.raises(TypeError, match="target must be a string"):
         jremat.target_mesh(3)
     with pytest.raises(ValueError, match="axis_shape=.*product"):
@@ -214,8 +222,10 @@ def test_a_missing_libtpu_names_the_install(monkeypatch):
         raise RuntimeError("JAX TPU support not installed; cannot generate TPU topology.")
 
     monkeypatch.setattr(topologies, "get_topology_desc", missing)
+    targets._topology_devices.cache_clear()  # topologies are read once per process
     with pytest.raises(RuntimeError, match=r'pip install "jax\[tpu\]=='):
         jremat.target_mesh("tpu:v5e:2x2")
+    targets._topology_devices.cache_clear()
 
 
 @pytest.mark.parametrize("text, share", [("device", 1.0), ("0.9 device", 0.9), ("0.5device", 0.5)])
@@ -258,3 +268,16 @@ def test_a_loss_closing_over_the_callers_tracers_reads_its_figures():
         return jax.grad(loss)(params)
 
     chex.assert_trees_all_close(step(params, x), jax.jit(jax.grad(mlp))(params, x))
+
+
+@needs_libtpu
+def test_one_auto_plans_apart_for_each_tpu_kind():
+    loss = jremat.auto(mlp, budget="0.5 device", plan_dir=False)
+    for target in ("tpu:v5e:1x1", "tpu:v6e:1x1"):
+        jax.jit(jax.grad(loss)).lower(*abstract(jremat.target_mesh(target))).compile()
+    kinds = sorted(p.target for p in loss.plans.values())
+    assert kinds == ["tpu:TPU v5 lite", "tpu:TPU v6 lite"]
+    # two calls for one topology give meshes over the same devices
+    assert (
+        jremat.target_mesh("tpu:v5e:1x1").devices == jremat.target_mesh(" tpu:v5e:1x1 ").devices
+    ).all()

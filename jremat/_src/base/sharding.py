@@ -516,7 +516,11 @@ def sharding_key(x: Any) -> tuple | None:
         return None
     ndim = len(getattr(x, "shape", ()))
     spec = [spec_axes(e) for e in s.spec]
-    return (tuple(mesh_axes(s.mesh).items()), tuple(spec + [()] * (ndim - len(spec))))
+    key = (tuple(mesh_axes(s.mesh).items()), tuple(spec + [()] * (ndim - len(spec))))
+    if foreign_mesh(s.mesh):  # a compile-only TPU's: a v5e's plan is not a v6e's
+        device = s.mesh.devices.flat[0]
+        key += (f"{device.platform}:{getattr(device, 'device_kind', '')}",)
+    return key
 
 
 # -- shard_map bodies --------------------------------------------------------------------------

@@ -8,7 +8,9 @@ memory figure is read on each platform: docs/guides/tpu.md.
 
 from __future__ import annotations
 
+import functools
 import math
+import re
 from collections.abc import Sequence
 from typing import Any
 
@@ -22,12 +24,12 @@ TARGET_FORMS = (
 
 #: HBM bytes of one JAX device by `device.device_kind`, for devices that report no
 #: `memory_stats()` (compile-only TPU devices of a topology): the vendors' published memory
-#: per chip, divided by the JAX devices per chip (one on v4 and later in megacore mode, v5e
-#: and v6e; two TensorCores as two devices on v2 and v3).
+#: per chip, divided by the JAX devices per chip (one on v5e, v5p and v6e; two TensorCores as
+#: two devices on v2 and v3). v4 is left out: its topologies give one device per TensorCore
+#: where a v4 VM in megacore mode shows one per chip, so a share of "its memory" is ambiguous.
 DEVICE_MEMORY_BYTES: dict[str, int] = {
     "TPU v2": 8 * 2**30,
     "TPU v3": 16 * 2**30,
-    "TPU v4": 32 * 2**30,
     "TPU v5 lite": 16 * 2**30,
     "TPU v5": 95 * 2**30,
     "TPU v6 lite": 32 * 2**30,
@@ -56,10 +58,11 @@ def target_devices(target: str) -> list[Any]:
     platform, _, topology = name.partition(":")
     if platform != "tpu" or not topology:
         raise ValueError(f"target={target!r} is not a target name; accepted: {TARGET_FORMS}")
-    from jax.experimental import topologies
-
+    # libtpu kills the process (SIGFPE) on a zero-sized topology such as "v5e:0x0"
+    if any(d.isdigit() and int(d) == 0 for d in re.split(r"[x:]", topology)):
+        raise ValueError(f"target={target!r}: a topology has no dimension of size 0")
     try:
-        topo = topologies.get_topology_desc(platform="tpu", topology_name=topology)
+        return list(_topology_devices(topology))
     except RuntimeError as e:
         if "lockfile" in str(e):
             raise RuntimeError(
@@ -77,7 +80,16 @@ def target_devices(target: str) -> list[Any]:
             f"target={target!r}: the TPU compiler does not know topology {topology!r} "
             f"({str(e).splitlines()[0]}); accepted: {TARGET_FORMS}"
         ) from None
-    return sorted(topo.devices, key=lambda d: d.id)
+
+
+@functools.cache
+def _topology_devices(topology: str) -> tuple[Any, ...]:
+    """A TPU topology's devices, once per process: meshes of two `target_mesh` calls for the
+    same topology share devices (JAX refuses arrays on two topologies' devices together)."""
+    from jax.experimental import topologies
+
+    topo = topologies.get_topology_desc(platform="tpu", topology_name=topology)
+    return tuple(sorted(topo.devices, key=lambda d: d.id))
 
 
 def target_mesh(
@@ -104,8 +116,11 @@ def target_mesh(
       A `jax.sharding.Mesh` (Auto axes) over the target's devices in id order.
 
     Raises:
-      ValueError: an unknown target or topology (see `target_devices`), or `axis_shape`
-        whose length differs from `axis_names` or whose product is not the device count.
+      ValueError: an unknown target or topology (see `target_devices`), repeated axis
+        names, or `axis_shape` whose length differs from `axis_names` or whose product is
+        not the device count.
+      TypeError: `axis_names` not a tuple of strings, `axis_shape` not a tuple of
+        positive ints.
       RuntimeError: a TPU target without libtpu installed (names the install command).
 
     Examples:
@@ -119,11 +134,22 @@ def target_mesh(
     from jax.sharding import Mesh
 
     devices = target_devices(target)
+    if isinstance(axis_names, str) or not all(isinstance(n, str) for n in axis_names):
+        raise TypeError(
+            f"axis_names must be a tuple of strings, e.g. ('data',); got {axis_names!r}"
+        )
     names = tuple(axis_names)
+    if not names or len(set(names)) != len(names):
+        raise ValueError(f"axis_names={names}: one or more distinct names")
     if axis_shape is None:
         shape = (len(devices),) + (1,) * (len(names) - 1)
     else:
-        shape = tuple(int(n) for n in axis_shape)
+        ok = isinstance(axis_shape, (tuple, list)) and all(
+            isinstance(n, int) and not isinstance(n, bool) and n > 0 for n in axis_shape
+        )
+        if not ok:
+            raise TypeError(f"axis_shape must be a tuple of positive ints; got {axis_shape!r}")
+        shape = tuple(axis_shape)
     if len(shape) != len(names) or math.prod(shape) != len(devices):
         raise ValueError(
             f"axis_shape={tuple(shape)} for axis_names={names}: one size per name, whose "

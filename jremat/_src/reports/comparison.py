@@ -591,7 +591,7 @@ def compare(
             base.footprint_bytes,
             base.flops,
             0.0,
-            0.0,
+            _max_diff(base.grads, base.grads),  # None where nothing ran (a compile-only target)
             base.compile_seconds,
             base.step_seconds,
         )
