@@ -209,9 +209,21 @@ scanned = lambda F: F  # noqa: E731
 scanned.args = (stacked, None)
 
 
+#: jax 0.10 only: `grad(auto(loss))` in a microbatch `lax.scan` inside a checked body fails
+#: when JAX transforms a re-bound `pvary` on a value that became varying ("pvary is a
+#: invariant->variant collective"); open, see docs/troubleshooting.md
+_OLD_VMA = pytest.mark.xfail(
+    jax.__version_info__ < (0, 11), reason="jax 0.10: pvary in a microbatch scan", strict=True
+)
+
+
 @pytest.mark.parametrize(
     "make, fn",
-    [(as_is, unrolled_loss), (scanned, scan_loss), (accumulated, unrolled_loss)],
+    [
+        (as_is, unrolled_loss),
+        (scanned, scan_loss),
+        pytest.param(accumulated, unrolled_loss, marks=_OLD_VMA),
+    ],
     ids=["unrolled", "scan-over-layers", "in-a-microbatch-scan"],
 )
 def test_function_in_a_checked_shard_map_body(make, fn):
