@@ -187,15 +187,20 @@ def device_memory_bytes(device: Any) -> int:
 
 def args_device(args: Any) -> Any:
     """A device that arguments compile for: the first of their mesh (a compile-only TPU's
-    for arguments placed on a `target_mesh`), else JAX's default device."""
+    for arguments placed on a `target_mesh`), else JAX's default device.
+
+    Raises:
+      ValueError: the arguments are sharded over different meshes (`sharding.arg_mesh`).
+    """
     import jax
 
     from jremat._src.base.sharding import arg_mesh
 
-    devices = getattr(arg_mesh(jax.tree_util.tree_leaves(args)), "devices", None)
+    mesh = arg_mesh(jax.tree_util.tree_leaves(args))
     try:
-        return devices.flat[0]
-    except (AttributeError, IndexError, ValueError):  # no mesh, or an AbstractMesh
+        return mesh.devices.flat[0]
+    # no mesh (None), an AbstractMesh (its `devices` raises ValueError), or no devices
+    except (AttributeError, IndexError, ValueError):
         return jax.devices()[0]
 
 

@@ -16,6 +16,7 @@ from jremat._src.base import compat as _compat
 from jremat._src.base import sharding
 from jremat._src.base.batching import Batching
 from jremat._src.base.errors import UnsupportedBackendError
+from jremat._src.base.targets import args_device
 from jremat._src.compile.loop_flops import loop_flops_correction
 from jremat._src.trace import cost_model
 
@@ -57,13 +58,11 @@ def figures_only_is_default(args: Sequence[Any]) -> bool:
 
 
 def _platform(args: Sequence[Any]) -> str:
-    """The platform `args` compile for: that of their mesh's devices, else the default."""
+    """The platform `args` compile for: that of their mesh's devices, else the default
+    (`base.targets.args_device`)."""
     try:
-        devices = sharding.arg_mesh(jax.tree_util.tree_leaves(args)).devices
-        return str(devices.flat[0].platform)
-    # no mesh (None has no devices), an AbstractMesh (its `devices` raises ValueError: under
-    # `jax.set_mesh` such arguments compile), or a mesh without devices
-    except (AttributeError, IndexError, ValueError):
+        return _platform_name(args_device(args).platform)
+    except ValueError:  # arguments over different meshes: compiling them raises that itself
         return jax.default_backend()
 
 
