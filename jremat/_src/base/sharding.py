@@ -102,9 +102,8 @@ def foreign_mesh(mesh: Any) -> bool:
     """Whether `mesh`'s devices are of another platform than JAX's default backend (a
     compile-only TPU topology's, `jremat.target_mesh`): then even a one-device mesh says
     where the program compiles, and arguments on it are kept on it."""
-    devices = getattr(mesh, "devices", None)  # an AbstractMesh has none
-    try:
-        platform = str(devices.flat[0].platform)
+    try:  # an AbstractMesh (explicit-mode tracers) raises ValueError: it has no devices
+        platform = str(mesh.devices.flat[0].platform)
     except (AttributeError, IndexError, ValueError):
         return False
     return platform != jax.default_backend() and not (
