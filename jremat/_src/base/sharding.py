@@ -98,14 +98,23 @@ def leaf_sharding(x: Any, per_example: bool = True) -> Any:
     return None
 
 
+def mesh_device(mesh: Any) -> Any:
+    """The first device of a concrete mesh; None for no mesh, an AbstractMesh (explicit-mode
+    tracers: its `devices` raises ValueError) or a mesh without devices."""
+    try:
+        return mesh.devices.flat[0]
+    except (AttributeError, IndexError, ValueError):
+        return None
+
+
 def foreign_mesh(mesh: Any) -> bool:
     """Whether `mesh`'s devices are of another platform than JAX's default backend (a
     compile-only TPU topology's, `jremat.target_mesh`): then even a one-device mesh says
     where the program compiles, and arguments on it are kept on it."""
-    try:  # an AbstractMesh (explicit-mode tracers) raises ValueError: it has no devices
-        platform = str(mesh.devices.flat[0].platform)
-    except (AttributeError, IndexError, ValueError):
+    device = mesh_device(mesh)
+    if device is None:
         return False
+    platform = str(device.platform)
     return platform != jax.default_backend() and not (
         platform in ("cuda", "rocm") and jax.default_backend() == "gpu"
     )
@@ -517,7 +526,7 @@ def sharding_key(x: Any) -> tuple | None:
     spec = [spec_axes(e) for e in s.spec]
     key = (tuple(mesh_axes(s.mesh).items()), tuple(spec + [()] * (ndim - len(spec))))
     if foreign_mesh(s.mesh):  # a compile-only TPU's: a v5e's plan is not a v6e's
-        device = s.mesh.devices.flat[0]
+        device = mesh_device(s.mesh)
         key += (f"{device.platform}:{getattr(device, 'device_kind', '')}",)
     return key
 

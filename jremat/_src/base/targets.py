@@ -194,14 +194,10 @@ def args_device(args: Any) -> Any:
     """
     import jax
 
-    from jremat._src.base.sharding import arg_mesh
+    from jremat._src.base.sharding import arg_mesh, mesh_device
 
-    mesh = arg_mesh(jax.tree_util.tree_leaves(args))
-    try:
-        return mesh.devices.flat[0]
-    # no mesh (None), an AbstractMesh (its `devices` raises ValueError), or no devices
-    except (AttributeError, IndexError, ValueError):
-        return jax.devices()[0]
+    device = mesh_device(arg_mesh(jax.tree_util.tree_leaves(args)))
+    return jax.devices()[0] if device is None else device
 
 
 def abstract_on(tree: Any, mesh: Any, batch_axis: str | None = None) -> Any:
