@@ -113,6 +113,14 @@ def _parser() -> argparse.ArgumentParser:
         '"jremat[tpu]"). The batch is split over the devices on its first axis',
     )
     cmp.add_argument(
+        "--compile-budget",
+        type=int,
+        default=None,
+        metavar="N",
+        help="whole-program compiles each planner row may spend, verification included "
+        "(at least 3; default: no limit); see docs/guides/planning-cost.md",
+    )
+    cmp.add_argument(
         "--runs", type=int, default=0, help="time this many executions of each step (default 0)"
     )
     fmt = cmp.add_mutually_exclusive_group()
@@ -269,6 +277,7 @@ def _run_compare(args: argparse.Namespace) -> int:
                 budgets=args.budgets,
                 solvers=args.solvers,
                 runs=args.runs,
+                compile_budget=args.compile_budget,
                 description=work.description,
                 progress=sys.stderr.isatty() and not args.quiet,
             )

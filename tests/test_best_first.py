@@ -1,6 +1,7 @@
-"""The best-first search (`search/predicted.py`): fewer compiles than the full search, never a
-plan that recomputes more than a built-in recipe that fits, and the full search where the
-cost model misreads the program. Small models: each test compiles a dozen small programs."""
+"""The best-first searches (`search/predicted.py`): loop settings for scan programs (fewer
+compiles than the full search, never a plan that recomputes more than a body policy that
+fits), the aimed search under a compile budget, and the full search where the cost model
+misreads the program. Small models: each test compiles a dozen small programs."""
 
 from __future__ import annotations
 
@@ -13,7 +14,6 @@ import pytest
 import jremat
 from jremat._src.base.budget import parse_budget
 from jremat._src.compile.program import Program
-from jremat._src.plan.recipes import anchor_plans
 from jremat._src.search import predicted
 from jremat._src.search import solve as solve_module
 from jremat._src.search.solve import solve
@@ -27,139 +27,33 @@ def decoder():
 
 def _solve(model, fraction: float, best_first: bool, monkeypatch) -> tuple[jremat.Plan, Program]:
     monkeypatch.setattr(solve_module, "BEST_FIRST_LOOPS", best_first)
-    monkeypatch.setattr(solve_module, "BEST_FIRST_UNROLLED", best_first)
     prog = Program(model.loss, model.args, 0)
     return solve(prog, parse_budget(fraction), solver=M.SOLVER), prog
 
 
-@pytest.fixture
-def searches(monkeypatch) -> list[predicted.Search]:
-    """Every best-first search run while the test runs."""
-    runs, real = [], predicted.run
-
-    def recorded(*args, **kwargs):
-        runs.append(real(*args, **kwargs))
-        return runs[-1]
-
-    monkeypatch.setattr(predicted, "run", recorded)
-    return runs
-
-
-@pytest.mark.parametrize("fraction", [0.45])
-def test_best_first_compiles_fewer_and_never_loses_to_a_fitting_recipe(
-    decoder, fraction, monkeypatch, searches
-):
-    """Fewer programs compiled than by the full search, the budget met, and no built-in
-    recipe whose two steps fit recomputes less than the plan."""
-    plan, prog = _solve(decoder, fraction, True, monkeypatch)
-    (search,) = searches
-    assert search.trusted and search.best[1] is not None  # the best-first search's own plan
-    compiles = prog.compiles
-    _, full = _solve(decoder, fraction, False, monkeypatch)
-    assert compiles < full.compiles
-    target = fraction * plan.baseline_temp_bytes
-    assert plan.measured_temp_bytes <= target
-    fitting = [
-        prog.compile(r).flops
-        for r in anchor_plans(prog.graph)
-        if max(prog.compile(r).temp_bytes, prog.grad_step_temp(r)) <= target
-    ]
-    assert fitting, "no recipe fits: the comparison would hold by construction"
-    assert plan.measured_flops <= min(fitting)
-
-
-def test_a_model_that_misreads_the_program_hands_over_to_the_full_search(
-    decoder, monkeypatch, searches
-):
-    """With no tolerance for the model's error (`TRUST` 0) the first round the best-first
-    search compiles ends it; the full search then plans, with what the best-first search
-    compiled among its candidates: never worse than the full search alone."""
-    monkeypatch.setattr(predicted, "TRUST", 0.0)
-    handed, _ = _solve(decoder, 0.45, True, monkeypatch)
-    (search,) = searches
-    assert not search.trusted and search.compiled
-    full, _ = _solve(decoder, 0.45, False, monkeypatch)
-    assert handed.measured_temp_bytes <= 0.45 * handed.baseline_temp_bytes
-    assert handed.measured_flops <= full.measured_flops
-    assert any(n.startswith("cost model fitted to") for n in handed.notes)  # the full search's
-
-
-def test_a_recipe_that_fits_is_compiled_where_the_planner_plans_worse(decoder):
-    """With a planner whose plans all recompute everything it can (its min-memory plan), the
-    recipe that fits is compiled and chosen: recipes are candidates of their own, ranked by
-    their predicted FLOPs."""
-    from jremat._src.plan.recipes import recipe_plan
-
-    prog = Program(decoder.loss, decoder.args, 0)
-    real = prog.planner(M.SOLVER, 160, uncalibrated=True)
-
-    class MinMemoryOnly:
-        model, name = real.model, real.name
-
-        def no_remat_peak(self):
-            return real.no_remat_peak()
-
-        def plan(self, model_budget):
-            return real.min_memory_plan()
-
-    recipe = recipe_plan(prog.graph, "dots_saveable")
-    target = 1.02 * prog.compile(recipe).temp_bytes
-    search = predicted.run(
-        prog, MinMemoryOnly(), target, lambda p, c: c.flops, max_rounds=2, close_enough=0.03
-    )
-    _, best, compiled = search.best
-    assert compiled.temp_bytes <= target
-    assert compiled.flops <= prog.compile(recipe).flops < prog.compile(real.min_memory_plan()).flops
-
-
-def test_a_target_at_or_below_zero_compiles_no_recipe_and_warns_nothing(decoder):
+def test_a_target_at_or_below_zero_compiles_nothing_and_warns_nothing(decoder):
     """A byte budget at or below the step's fixed bytes leaves a temp target of 0 or below:
-    no recipe can fit one below 0 (they were compiled) and none is divided by 0 (numpy's
-    RuntimeWarning); nothing is found, and the full search states the smallest budget."""
+    the aimed search finds nothing and divides nothing by 0 (numpy's RuntimeWarning)."""
     prog = Program(decoder.loss, decoder.args, 0)
-    planner = prog.planner(M.SOLVER, 160, uncalibrated=True)
+    prog.compile_budget = 6
+    planner = prog.planner(M.SOLVER, 160, baseline_fit=True)
     for target in (0.0, -1.0):
         with warnings.catch_warnings():
             warnings.simplefilter("error")
-            search = predicted.run(
-                prog, planner, target, lambda p, c: c.flops, max_rounds=2, close_enough=0.03
+            search = predicted.run_budgeted(
+                prog, planner, target, lambda p, c: c.flops, close_enough=0.03
             )
         assert search.best[1] is None
         assert all(p.solver == planner.name for p, _ in search.compiled)
 
 
-def test_the_planner_solves_each_model_budget_once(decoder):
-    """While recipes compile the aim stays put: the planner (seconds per solve for the MILP)
-    is asked once per model budget, not once per compile."""
-    prog = Program(decoder.loss, decoder.args, 0)
-    real = prog.planner(M.SOLVER, 160, uncalibrated=True)
-    asked = []
-
-    class Counting:
-        model, name = real.model, real.name
-
-        def no_remat_peak(self):
-            return real.no_remat_peak()
-
-        def plan(self, model_budget):
-            asked.append(model_budget)
-            return real.plan(model_budget)
-
-    target = 0.45 * prog.baseline.temp_bytes
-    search = predicted.run(
-        prog, Counting(), target, lambda p, c: c.flops, max_rounds=4, close_enough=0.03
-    )
-    assert any(p.solver != real.name for p, _ in search.compiled)  # recipes between rounds
-    assert asked and len(asked) == len(set(asked))
-
-
 def test_a_planner_the_model_does_not_describe_hands_over_without_compiling_its_plan(decoder):
     """A planner whose plans the model does not describe (dtr's, its checkpointed segments
-    under `everything_saveable`, a policy no save option is): nothing to check the model
-    against, so the full search plans them, and the best-first search compiles none of them
-    (it compiled one, then handed over as if the model expected 0 bytes)."""
+    under `everything_saveable`, a policy no save option is): nothing to aim by, so the full
+    search plans them, and the aimed search compiles none of them."""
     prog = Program(decoder.loss, decoder.args, 0)
-    planner = prog.planner("dtr", 160, uncalibrated=True)
+    prog.compile_budget = 6
+    planner = prog.planner("dtr", 160, baseline_fit=True)
     own_plan = planner.plan
 
     def undescribed(model_budget):
@@ -172,11 +66,8 @@ def test_a_planner_the_model_does_not_describe_hands_over_without_compiling_its_
     planner.plan = undescribed
     target = 0.45 * prog.baseline.temp_bytes
     assert planner.model.predict(planner.plan(target)) is None  # else this tests nothing
-    search = predicted.run(
-        prog, planner, target, lambda p, c: c.flops, max_rounds=2, close_enough=0.03
-    )
-    assert not search.trusted
-    assert all(p.solver != planner.name for p, _ in search.compiled)
+    search = predicted.run_budgeted(prog, planner, target, lambda p, c: c.flops, close_enough=0.03)
+    assert not search.trusted and not search.compiled
     assert "does not describe" in search.log[-1]
 
 
@@ -340,91 +231,60 @@ def test_a_model_fitted_to_the_baseline_reads_it_exactly_and_scales_only_kept_st
 
 @pytest.fixture
 def aimed(monkeypatch) -> list[predicted.Search]:
-    """The aimed search on (`solve.AIMED_UNROLLED`); every run of it while the test runs."""
-    monkeypatch.setattr(solve_module, "AIMED_UNROLLED", True)
-    runs, real = [], predicted.run_aimed
+    """Every run of the aimed search (`predicted.run_budgeted`) while the test runs."""
+    runs, real = [], predicted.run_budgeted
 
     def recorded(*args, **kwargs):
         runs.append(real(*args, **kwargs))
         return runs[-1]
 
-    monkeypatch.setattr(predicted, "run_aimed", recorded)
+    monkeypatch.setattr(predicted, "run_budgeted", recorded)
     return runs
 
 
-def test_the_aimed_search_compiles_two_plans_at_most_and_meets_the_budget(
-    decoder, aimed, monkeypatch
-):
-    """`AIMED_UNROLLED`: the planner's plan aimed at the target and one correction, the
-    cheaper fitting one returned; the plan notes say where each was aimed. (Any room under
-    the target is close enough here: the hand-over where it is not is tested below; this
-    decoder's first plan fits at 80% of the target at 0.5.)"""
-    monkeypatch.setattr(solve_module, "CLOSE_ENOUGH", 1.0)
+@pytest.mark.parametrize("compile_budget", [3, 5])
+def test_the_aimed_search_spends_the_budget_and_meets_the_target(decoder, aimed, compile_budget):
+    """Under a compile budget: the planner's plans aimed at the target, while the budget
+    leaves a plan's two steps; the cheapest fitting one returned, both its steps within the
+    target, and no more compiles than the budget. The plan notes say where each was aimed."""
     prog = Program(decoder.loss, decoder.args, 0)
-    plan = solve(prog, parse_budget(0.5), solver=M.SOLVER)
+    plan = solve(prog, parse_budget(0.5), solver=M.SOLVER, compile_budget=compile_budget)
     (search,) = aimed
-    assert search.trusted and 1 <= len(search.compiled) <= 2
-    assert prog.compiles == 1 + len(search.compiled)  # the baseline and the aimed plans
+    assert search.trusted and search.compiled
+    assert plan.compiles == prog.compiles_spent <= compile_budget
     target = 0.5 * plan.baseline_temp_bytes
     assert plan.measured_temp_bytes <= target
+    assert prog.grad_step_temp(plan) <= target
     fitting = [c.flops for _, c in search.compiled if c.temp_bytes <= target]
     assert plan.measured_flops == min(fitting)
-    assert [n.split(":")[0] for n in plan.notes if n.startswith("aim ")] == [
-        f"aim {i + 1}" for i in range(len(search.compiled))
-    ]
+    aims = [n.split(":")[0] for n in plan.notes if n.startswith("aim ")]
+    assert aims == [f"aim {i + 1}" for i in range(len(search.compiled))]
 
 
 def test_the_aimed_search_hands_over_where_its_model_misreads_the_program(
     decoder, aimed, monkeypatch
 ):
-    """A compiled plan further than `TRUST` from the model fitted to the baseline ends the
-    aimed search after one compile; a baseline fit outside `FIT_SCALE_LIMIT` ends it before
-    any. The full search then plans, with what was compiled among its candidates."""
-    monkeypatch.setattr(predicted, "TRUST", 0.0)
-    prog = Program(decoder.loss, decoder.args, 0)
-    plan = solve(prog, parse_budget(0.5), solver=M.SOLVER)
-    (search,) = aimed
-    assert not search.trusted and len(search.compiled) == 1 and "off by" in search.log[-1]
-    assert plan.measured_temp_bytes <= 0.5 * plan.baseline_temp_bytes
-    assert any(n.startswith("cost model fitted to") for n in plan.notes)  # the full search's
-
+    """A baseline fit outside `FIT_SCALE_LIMIT` ends the aimed search before any compile; the
+    full search then plans until the compile budget runs out, and the cheapest plan that
+    holds on both steps is returned."""
     monkeypatch.setattr(predicted, "FIT_SCALE_LIMIT", 1.0)
     prog = Program(decoder.loss, decoder.args, 0)
-    solve(prog, parse_budget(0.5), solver=M.SOLVER)
-    assert not aimed[1].trusted and not aimed[1].compiled
-    assert "the full search follows" in aimed[1].log[-1]
-
-
-def test_the_aimed_search_hands_over_where_its_plan_leaves_room_under_the_target(
-    decoder, aimed, monkeypatch
-):
-    """A fitting aimed plan more than `CLOSE_ENOUGH` below the target (aimed at half of it,
-    with no correction) hands over to the full search, which returns a plan at most as costly,
-    with the aimed compiles among its candidates; where that room is within `CLOSE_ENOUGH`
-    (here: all of it), the aimed plan is returned."""
-    monkeypatch.setattr(predicted, "AIM_FIRST", 0.5)
-    prog = Program(decoder.loss, decoder.args, 0)
-    plan = solve(prog, parse_budget(0.5), solver=M.SOLVER, max_rounds=1)
-    (search,) = aimed
-    (_, c), target = search.compiled[0], 0.5 * plan.baseline_temp_bytes
-    assert c.temp_bytes < (1 - solve_module.CLOSE_ENOUGH) * target and c.flops > plan.baseline_flops
-    assert not search.trusted and "the full search follows" in search.log[-1]
-    assert any(n.startswith("cost model fitted to") for n in plan.notes)  # the full search's
-    assert plan.measured_temp_bytes <= target and plan.measured_flops <= c.flops
-
-    monkeypatch.setattr(solve_module, "CLOSE_ENOUGH", 1.0)
-    prog = Program(decoder.loss, decoder.args, 0)
-    again = solve(prog, parse_budget(0.5), solver=M.SOLVER, max_rounds=1)
-    assert aimed[1].trusted and again.measured_flops == c.flops
-    assert not any(n.startswith("cost model fitted to") for n in again.notes)
+    plan = solve(prog, parse_budget(0.5), solver=M.SOLVER, compile_budget=6)
+    assert not aimed[0].trusted and not aimed[0].compiled
+    assert "not aimed" in aimed[0].log[-1]
+    assert plan.compiles <= 6
+    assert (
+        max(plan.measured_temp_bytes, prog.grad_step_temp(plan)) <= 0.5 * plan.baseline_temp_bytes
+    )
 
 
 def test_a_recipe_that_recomputes_nothing_ends_the_search_after_the_aimed_search_hands_over(
     decoder, aimed, monkeypatch
 ):
-    """With the aimed search on, the recipe that saves the most is compiled only once it
-    hands over (before, it would be one more compile in every call); where it recomputes
-    nothing it is returned then, before the full search compiles anything."""
+    """Under a compile budget the recipe that saves the most is compiled only once the aimed
+    search hands over (before, it would be one more compile of the budget in every call);
+    where it recomputes nothing it is returned then, before the full search compiles
+    anything."""
     from jremat._src.search import mixing
 
     monkeypatch.setattr(predicted, "FIT_SCALE_LIMIT", 1.0)  # hand over without compiling
@@ -433,7 +293,7 @@ def test_a_recipe_that_recomputes_nothing_ends_the_search_after_the_aimed_search
     recipe = mixing.most_saving_plan(prog)
     _count_baseline_flops_for(recipe, base.flops, monkeypatch)
     target = 1.02 * max(prog.compile(recipe).temp_bytes, prog.grad_step_temp(recipe))
-    plan = solve(prog, parse_budget(target / base.temp_bytes), solver=M.SOLVER)
+    plan = solve(prog, parse_budget(target / base.temp_bytes), solver=M.SOLVER, compile_budget=6)
     assert not aimed[0].trusted
     assert plan.solver == recipe.solver and prog.compiles == 2
     assert plan.measured_flops == base.flops

@@ -64,6 +64,13 @@ AUTO_MILP_MAX_NODES = 120
 #: the same on every process and under any load (docs/design.md#planners).
 AUTO_MILP_NODES = 16
 
+
+class CompileBudgetSpent(Exception):
+    """A compile the search asked for would exceed the program's `compile_budget` (leaving
+    none for the `jit(grad)` check of a plan it compiles). Internal: `solve` catches it and
+    returns the best plan verified so far (docs/guides/planning-cost.md)."""
+
+
 #: Threads `Program.compile_many` compiles in: one per CPU (XLA:CPU compiles a program on one
 #: thread mostly; on an accelerator host the compiles are CPU work too). `JREMAT_COMPILE_THREADS`
 #: overrides it (1: compile one after another).
@@ -174,6 +181,11 @@ class Program:
         self._grad_ahead: dict[str, concurrent.futures.Future] = {}
         self._ahead_pool: concurrent.futures.ThreadPoolExecutor | None = None
         self.tried: list[tuple[Plan, Compiled]] = []  # every plan compiled on this program
+        #: whole-program compiles one search may spend (both steps of a plan count), or None:
+        #: no cap; set by `solve` (`jremat.plan(compile_budget=)`)
+        self.compile_budget: int | None = None
+        #: whole-program compiles made so far (each `value_and_grad` and `jit(grad)` step)
+        self.compiles_spent = 0
         self._anchors: dict = {}
         self.objective = Objective() if objective is None else objective
         self._lock = threading.RLock()  # `_steps` and `tried`, written by compile threads
@@ -255,6 +267,10 @@ class Program:
                 if (key := self.program_key(p)) not in self._steps:
                     firsts.setdefault(key, p)
         todo = list(firsts.values())
+        if self.compile_budget is not None:
+            # the prefix the budget allows, so that which plans compiled does not depend on
+            # the threads' order; the first one left raises `CompileBudgetSpent` below
+            todo = todo[: self._affordable(todo)]
         workers = min(len(todo), COMPILE_THREADS) if self.threads_ok else 1
         if workers > 1:
             logger.info("compiling %d plans in %d threads", len(todo), workers)
@@ -270,6 +286,9 @@ class Program:
     def _compile_step(
         self, plan: Plan | None, figures_only: bool = True
     ) -> tuple[Compiled, Any, float]:
+        identity = plan is None or plan.is_identity
+        # a plan's step leaves room for its `jit(grad)` check (the baseline needs none)
+        self._charge(reserve=0 if identity or not self._grad_step_apart(plan) else 1)
         f = self.objective.step_fn(self, plan)
         t0 = time.perf_counter()
         exe, flops = self.compile_fn(f, figures_only=figures_only)
@@ -318,6 +337,49 @@ class Program:
             ahead = self._grad_ahead.get(self.program_key(plan))
         return self._grad_temp(plan) if ahead is None else ahead.result()
 
+    def _charge(self, reserve: int = 0) -> None:
+        """Count one whole-program compile against `compile_budget`; raise
+        `CompileBudgetSpent` instead where it would leave fewer than `reserve` compiles."""
+        with self._lock:
+            if self.compile_budget is not None and (
+                self.compiles_spent + 1 + reserve > self.compile_budget
+            ):
+                raise CompileBudgetSpent(
+                    f"{self.compiles_spent} of {self.compile_budget} compiles spent"
+                )
+            self.compiles_spent += 1
+
+    def verification_compiles(self) -> int:
+        """The fewest compiles a verified plan needs here: the unrematerialized step (and,
+        with `has_aux`, that step without its aux), a plan's step and its `jit(grad)` step."""
+        apart = self._grad_step_apart(None)
+        return 2 + int(apart and self.has_aux) + int(apart)
+
+    def _affordable(self, plans: Sequence[Plan | None]) -> int:
+        """How many of `plans`, compiled in order, `_charge` lets compile."""
+        left = self.compiles_left
+        for n, p in enumerate(plans):
+            identity = p is None or p.is_identity
+            reserve = 0 if identity or not self._grad_step_apart(p) else 1
+            if 1 + reserve > left:
+                return n
+            left -= 1
+        return len(plans)
+
+    def grad_known(self, plan: Plan | None) -> bool:
+        """Whether `grad_step_temp(plan)` needs no compile (known, or the same step's)."""
+        if not self._grad_step_apart(plan):
+            return self.program_key(plan) in self._steps
+        with self._lock:
+            return self.program_key(plan) in self._grad_temps
+
+    @property
+    def compiles_left(self) -> float:
+        """Compiles `compile_budget` leaves (inf with no budget)."""
+        if self.compile_budget is None:
+            return float("inf")
+        return self.compile_budget - self.compiles_spent
+
     def grad_step_ahead(self, plan: Plan) -> None:
         """Start `grad_step_temp(plan)` in a background thread and return at once, where
         plans compile in threads on 2 to `SPECULATE_THREADS` - 1 CPUs (from 4 up,
@@ -328,6 +390,7 @@ class Program:
         waits for it (and raises what it raised); `settle` waits for every one started."""
         if not (
             self.threads_ok
+            and self.compile_budget is None  # a compile the search may not need: not spent
             and 2 <= COMPILE_THREADS < SPECULATE_THREADS
             and self._grad_step_apart(plan)
         ):
@@ -369,6 +432,7 @@ class Program:
 
     def _grad_only_temp(self, f: Callable[..., Any], has_aux: bool) -> int:
         """Compiled temp bytes of `jit(grad(f))` at this program's arguments."""
+        self._charge()
         exe = compile_step(
             f,
             self.args,
@@ -388,7 +452,11 @@ class Program:
         `compile` then `grad_step_temp`. Only with `SPECULATE_THREADS` compile threads or more:
         a round that is not returned wastes its `jit(grad)` compile, which costs wall time
         where no CPU is idle."""
-        if not self.threads_ok or COMPILE_THREADS < SPECULATE_THREADS:
+        if (
+            not self.threads_ok
+            or COMPILE_THREADS < SPECULATE_THREADS
+            or self.compile_budget is not None  # its `jit(grad)` step may not be needed
+        ):
             return self.compile(plan)
         if not self._grad_step_apart(plan):
             return self.compile(plan)

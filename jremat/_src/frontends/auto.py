@@ -55,6 +55,7 @@ def auto(
     mesh: Any = None,
     offload: Any = None,
     has_aux: bool = False,
+    compile_budget: int | None = None,
 ) -> Any:
     """Rematerialize a function or a Flax module automatically under a memory budget.
 
@@ -156,6 +157,9 @@ def auto(
         plan is checked on the `jit(grad)` step that drops the aux too. Default False (then a
         returned pair raises a TypeError naming `has_aux`). Flax modules (classes, linen
         methods) return any outputs already and refuse it.
+      compile_budget: whole-program compiles one signature's search may spend, verification
+        included (`jremat.plan`'s `compile_budget`: an int >= 3, or None, the default, for no
+        limit); the cheapest plan verified when it runs out is used.
 
     Returns:
       For a function, the wrapped function: `wrapper.plans` maps each key (signature,
@@ -170,9 +174,9 @@ def auto(
       TypeError: `offload` is not None, a bool or a `jremat.OffloadCost`; `mesh` is not a
         Mesh or None; `in_shardings` is not one of its accepted forms (checked here, before
         any call; whether it matches the arguments is checked at the first call).
-      TypeError: `verify` or `has_aux` is not a bool, or `max_rounds` not an int (a bool
-        included); `has_aux=True` for a Flax target (at decoration, or at the first call of a
-        function of modules).
+      TypeError: `verify` or `has_aux` is not a bool, or `max_rounds` or `compile_budget`
+        not an int (a bool included); `has_aux=True` for a Flax target (at decoration, or
+        at the first call of a function of modules).
       ValueError: an invalid budget or solver; `max_rounds` below 1; static_argnums out of
         range, naming `self`, or naming a parameter that received an unhashable value (the
         message names the argument and how `self` is counted).
@@ -201,6 +205,7 @@ def auto(
         mesh=mesh,
         offload=offload,
         has_aux=has_aux,
+        compile_budget=compile_budget,
     )
     if fn is None:
         return functools.partial(_auto_target, options=options)

@@ -92,6 +92,8 @@ class PlanCache:
         A saved file that cannot be read, or was made for another program, is ignored with a
         `RuntimeWarning` naming it, and the plan is solved again and saved over it.
       offload: host offload, as `jremat.plan`'s `offload` (None: never offload).
+      compile_budget: whole-program compiles one plan's search may spend, as
+        `jremat.plan`'s `compile_budget` (None: no limit).
 
     Attributes:
       plans: key -> `Plan`, in the order first seen.
@@ -101,8 +103,8 @@ class PlanCache:
     Raises:
       ValueError: an invalid budget or solver; `max_rounds` below 1.
       TypeError: `offload` is not None, a bool or a `jremat.OffloadCost`; `verify` is not a
-        bool; `max_rounds` is not an int (a bool included); `plan_dir` not a folder, None or
-        False.
+        bool; `max_rounds` or `compile_budget` is not an int (a bool included); `plan_dir`
+        not a folder, None or False.
     """
 
     def __init__(
@@ -114,6 +116,7 @@ class PlanCache:
         max_rounds: int = 4,
         plan_dir: str | os.PathLike | bool | None = None,
         offload: Any = None,
+        compile_budget: int | None = None,
     ):
         self._spec = parse_budget(budget)
         self.offload = parse_offload(offload)
@@ -122,6 +125,9 @@ class PlanCache:
         self.solver = solver
         self.verify = check_flag("verify", verify)
         self.max_rounds = check_count("max_rounds", max_rounds)
+        self.compile_budget = (
+            None if compile_budget is None else check_count("compile_budget", compile_budget)
+        )
         self.plan_dir = resolve_plan_dir(plan_dir)
         self.plans: dict[str, Plan] = {}
         self.signatures: dict[str, str] = {}
@@ -165,6 +171,12 @@ class PlanCache:
                 # CPU plan of the same shapes and mesh axes
                 "target": _target(args),
                 **({"offload": repr(self.offload)} if self.offload is not None else {}),
+                # a smaller compile budget may settle on another plan
+                **(
+                    {"compile_budget": self.compile_budget}
+                    if self.compile_budget is not None
+                    else {}
+                ),
                 **({"sharding": repr(shard_key)} if shard_key else {}),
                 **({"vmap": _vmap_key(batching)} if batching is not None else {}),
             },
@@ -217,6 +229,8 @@ class PlanCache:
                 opts: dict[str, Any] = {} if self.solver is None else {"solver": self.solver}
                 if self.offload is not None:
                     opts["offload"] = self.offload
+                if self.compile_budget is not None:
+                    opts["compile_budget"] = self.compile_budget
                 if ct_mask is None:
                     p = plan(
                         fn,

@@ -32,8 +32,9 @@ class AutoOptions:
     known.
 
     Raises:
-      ValueError: an invalid budget or solver; `max_rounds` below 1.
-      TypeError: `verify` or `has_aux` not a bool; `max_rounds` not an int (a bool included);
+      ValueError: an invalid budget or solver; `max_rounds` or `compile_budget` below 1.
+      TypeError: `verify` or `has_aux` not a bool; `max_rounds` or `compile_budget` not an
+        int (a bool included);
         `mesh` not a Mesh or None; `in_shardings` not one of its accepted forms; `offload`
         not None, a bool or a `jremat.OffloadCost`.
     """
@@ -54,6 +55,7 @@ class AutoOptions:
     mesh: Any = None
     offload: Any = None
     has_aux: bool = False
+    compile_budget: int | None = None
 
     def __post_init__(self) -> None:
         # parsed once: the decorator form, PlanCache and jremat.plan take the Budget as it is
@@ -62,6 +64,8 @@ class AutoOptions:
         check_flag("verify", self.verify)
         check_flag("has_aux", self.has_aux)
         check_count("max_rounds", self.max_rounds)
+        if self.compile_budget is not None:
+            check_count("compile_budget", self.compile_budget)
         check_mesh(self.mesh)
         check_in_shardings(self.in_shardings)
         parse_offload(self.offload)
@@ -75,4 +79,5 @@ class AutoOptions:
             max_rounds=self.max_rounds,
             plan_dir=self.plan_dir,
             offload=self.offload,
+            compile_budget=self.compile_budget,
         )

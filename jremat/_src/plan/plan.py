@@ -279,6 +279,9 @@ class Plan:
         nothing was compiled (or in plans saved before the field existed).
       target: the platform and device kind the plan was compiled for, e.g. `"cpu"` or
         `"tpu:TPU v5 lite x4"` (devices of the mesh); None when nothing was compiled.
+      compiles: whole-program compiles the search that made the plan spent (each
+        `value_and_grad` or `jit(grad)` step; memoized ones not counted), bounded by
+        `compile_budget`; None where no search ran (plans loaded or built by hand).
       notes: free-form lines (rounds of verification, calibration).
       scans: per scan equation (its node index, as a string), how its loop is rematerialized:
         a `ScanSetting`, either one body policy for every iteration (with sqrt(L) nesting
@@ -306,6 +309,7 @@ class Plan:
     baseline_flops: float | None = None
     memory_figure: str | None = None
     target: str | None = None
+    compiles: int | None = None
 
     @property
     def is_identity(self) -> bool:
@@ -665,6 +669,7 @@ _PLAN_FIELDS: dict[str, tuple[Any, str]] = {
     "offloaded_bytes": (_is_int, "an int"),
     "memory_figure": (lambda v: v is None or isinstance(v, str), "a string or null"),
     "target": (lambda v: v is None or isinstance(v, str), "a string or null"),
+    "compiles": (lambda v: v is None or _is_int(v), "an int or null"),
     "segments": (lambda v: isinstance(v, list), "a list of jremat.Segment"),
 }
 

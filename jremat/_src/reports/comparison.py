@@ -25,6 +25,7 @@ import jax
 import jax.numpy as jnp
 
 from jremat import policies as _policies
+from jremat._src.base.args import check_count
 from jremat._src.base.budget import Budget, parse_budget
 from jremat._src.base.errors import InfeasibleBudgetError
 from jremat._src.compile.program import Program
@@ -471,6 +472,7 @@ def compare(
     description: str = "",
     progress: bool | None = None,
     has_aux: bool = False,
+    compile_budget: int | None = None,
 ) -> Comparison:
     """Compile `fn`'s training step under each remat policy and compare memory and FLOPs.
 
@@ -507,6 +509,9 @@ def compare(
         configured, e.g. `jremat.log_to_stderr()`).
       has_aux: `fn` returns `(loss, aux)`, aux any pytree of arrays: every row compiles
         `jit(value_and_grad(fn, has_aux=True))`, which computes both (as `jremat.plan`).
+      compile_budget: whole-program compiles each planner row's search may spend, as
+        `jremat.plan`'s `compile_budget` (None, the default: no limit); a row's plan records
+        what it spent (`Plan.compiles`).
 
     Returns:
       A `Comparison`. A budget below what any plan reaches gives a row with status
@@ -515,7 +520,8 @@ def compare(
 
     Raises:
       ValueError: an unknown policy, preset or solver name (the message lists the accepted
-        ones), a malformed budget, or `runs` < 0.
+        ones), a malformed budget, `runs` < 0, or `compile_budget` below 1 (below what
+        verification needs: at the first planner row).
       TypeError: `fn` does not return a scalar float (with `has_aux`, a pair whose first
         element is one), `argnums` selects no float input, or `has_aux` is not a bool.
 
@@ -533,6 +539,8 @@ def compare(
             "runs > 0 times the steps, which needs arrays: args hold jax.ShapeDtypeStructs "
             "(a compile-only target, jremat.target_mesh); pass runs=0"
         )
+    if compile_budget is not None:
+        check_count("compile_budget", compile_budget)
     if isinstance(solvers, str):
         solvers = [solvers]
     for s in solvers:
@@ -611,7 +619,7 @@ def compare(
             target = max(int(target), 0)
             t_plan = time.perf_counter()
             try:
-                plan = solve(prog, job.spec, solver=job.solver)
+                plan = solve(prog, job.spec, solver=job.solver, compile_budget=compile_budget)
             except InfeasibleBudgetError as e:
                 top = job.spec.in_caller_unit(base.temp_bytes, base.temp_bytes, base.fixed_bytes)
                 rows.append(

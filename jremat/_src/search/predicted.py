@@ -4,17 +4,9 @@ compiled for calibration, floor plans, refinement) only where these find no plan
 
 * `run_loops` (on by default, `solve.BEST_FIRST_LOOPS`): a program whose layers live in
   top-level scans; loop body policies in the order of what they save, then mixes.
-* `run` (off by default, `solve.BEST_FIRST_UNROLLED`: its plans recompute a little more than
-  the full search's): the built-in recipes (`recipes.anchor_plans`) and the planner's plans
-  at a model budget aimed at the target, each ranked by its predicted score, the baseline's
-  compiled FLOPs plus the cost model's recompute FLOPs (which undercount XLA's for the
-  planner's plans on every program measured, so one whose prediction does not beat a
-  compiled plan cannot beat it compiled).
-* `run_aimed` (off by default, `solve.AIMED_UNROLLED`: at most two plans compiled, but its
-  two shots settle within `CLOSE_ENOUGH` of the target in one GPT-2 cell of five, and it
-  hands over to the full search elsewhere): the planner's plan aimed at the target on a
-  model fitted to the baseline alone (`SegmentModel.fit_unrematerialized`), and one
-  correction.
+* `run_budgeted` (where the caller set a compile budget, for programs without top-level
+  scans): the planner's plans aimed at the target on a model fitted to the baseline alone,
+  corrected through every plan compiled, while the budget lasts.
 
 Why and what was measured: docs/design.md#best-first-search.
 """
@@ -31,43 +23,18 @@ import numpy as np
 
 from jremat._src.compile.program import Compiled, Program
 from jremat._src.plan.plan import KEEP, Plan
-from jremat._src.plan.recipes import anchor_plans
 from jremat._src.search import mixing
 
 logger = logging.getLogger(__name__)
-
-#: A recipe predicted (the cost model scaled to the baseline) at more than this many times
-#: the target is not compiled. The model's bytes are above the compiled ones by up to 1.9x on
-#: the programs measured (a residual MLP under `dots_saveable`: XLA's CPU fusion keeps fewer
-#: values than the model counts).
-RECIPE_BYTES_SLACK = 3.0
-
-#: The same once the model is confirmed on this program (a planner's plan compiled within
-#: `TRUST` of its prediction): recipes' compiled bytes are then within 25% of the prediction
-#: on the programs measured. Recipes predicted above the target wait until the planner's
-#: plans are done.
-RECIPE_TRUSTED_SLACK = 1.5
-
-#: A recipe's predicted score counts this fraction of its modelled recompute FLOPs: the model
-#: overcounts XLA's by up to a third on conv nets' recipes (XLA's own CSE and fusion),
-#: while it undercounts the planner's plans on every program measured.
-RECIPE_FLOPS_SHARE = 0.5
 
 #: Where the target is below the model's minimum peak as scaled to the baseline, the first
 #: plan is aimed at this multiple of that minimum (`solve.FLOOR_LADDER`'s first step).
 FLOOR_MARGIN = 1.03
 
-#: How far (a fraction) a compiled candidate (a planner's plan or a recipe) may be from the
-#: cost model's bytes scaled to the baseline before the best-first search gives way to the
-#: full search, whose calibration the program needs then. Candidates compile within 25% of it
-#: on GPT-2 and the test suite's decoders and MLPs; on the zoo's residual MLP (XLA:CPU fusing
-#: its elementwise tail) they are 20-100% off.
-TRUST = 0.25
-
 
 @dataclasses.dataclass
 class Search:
-    """The state of one best-first search (`run` or `run_loops`)."""
+    """The state of one best-first search (`run_budgeted` or `run_loops`)."""
 
     prog: Program
     planner: Any
@@ -77,10 +44,10 @@ class Search:
     compiled: list[tuple[Plan, Compiled]] = dataclasses.field(default_factory=list)
     best: tuple[float, Plan | None, Compiled | None] = (math.inf, None, None)
     log: list[str] = dataclasses.field(default_factory=list)
-    #: False once a compiled candidate lay further from the scaled model's bytes than
-    #: `TRUST`, or a planner's plan was one the model does not describe (the full search's
-    #: calibration is needed), or every loop mix `run_loops` tried missed the target: the
-    #: full search follows; the reason is the last `log` entry
+    #: False where the model misreads the program (the baseline's fit, or a planner's plan it
+    #: does not describe: the full search's calibration is needed), or every loop mix
+    #: `run_loops` tried missed the target: the full search follows; the reason is the last
+    #: `log` entry
     trusted: bool = True
 
     def predicted_score(self, plan: Plan, share: float = 1.0) -> float:
@@ -103,166 +70,47 @@ class Search:
         return c
 
 
-def run(
+def run_budgeted(
     prog: Program,
     planner: Any,
     target: float,
     score: Callable[[Plan, Compiled], float],
     *,
-    max_rounds: int,
     close_enough: float,
 ) -> Search:
-    """Compile candidates cheapest-predicted first until none left may beat the best fitting
-    plan.
+    """Under a compile budget (`Program.compile_budget`): the planner's plans aimed at
+    `target` on a model fitted to the baseline alone, each aim corrected through every plan
+    compiled so far, while the budget leaves a plan's two steps (its `value_and_grad` step
+    and its `jit(grad)` check).
 
-    Each step compiles whichever is predicted cheapest of: the planner's plan at the model
-    budget aimed at `target` (at most `max_rounds` of those), and the recipes not compiled yet
-    whose scaled prediction is within `RECIPE_BYTES_SLACK` of `target`. A candidate whose
-    predicted score is not below the best compiled fitting plan's score is dropped. The
-    planner's plans stop after one fits within `close_enough` of `target`, after one predicted
-    no cheaper than the best, or when the aim gives a plan compiled already.
-
-    Args:
-      prog: the program; its baseline is compiled.
-      planner: an uncalibrated planner of `prog` (its model in model bytes).
-      target: the budget in compiled temp bytes.
-      score: a compiled plan's score (FLOPs, with offload transfers).
-      max_rounds: the planner's plans compiled at most.
-      close_enough: a fraction of `target`.
-
-    Returns:
-      The `Search`: every plan compiled, the best fitting (score, plan, figures) or
-      `(inf, None, None)`, and a log for the plan's notes.
-    """
-    s = Search(prog, planner, target, score, close_enough)
-    model, base = planner.model, prog.baseline
-    identity = Plan.identity(prog.graph)
-    scale = base.temp_bytes / max(planner.no_remat_peak(), 1.0)  # model -> compiled bytes
-    recipes = anchor_plans(prog.graph)
-    rounds, seen, dp_done = 0, set(), False
-    planned: dict[float, Plan | None] = {}  # model budget -> the planner's plan
-
-    def plan_at(model_budget: float) -> Plan | None:
-        # the aim stays put while recipes compile (only the planner's plans move it): one
-        # solve per budget (the MILP's take seconds each)
-        if model_budget not in planned:
-            planned[model_budget] = planner.plan(model_budget)
-        return planned[model_budget]
-
-    def recipe_may_fit(r: Plan) -> bool:
-        predicted = model.predict(r)
-        if predicted is None:
-            return True
-        # products, not ratios: a byte budget at or below the step's fixed bytes leaves a
-        # target of 0 or below (no division by it, and no recipe fits one below 0)
-        expected = predicted * scale
-        if not rounds:
-            return expected <= RECIPE_BYTES_SLACK * target
-        return expected <= target or (dp_done and expected <= RECIPE_TRUSTED_SLACK * target)
-
-    while True:
-        dp, aim = None, 0.0
-        if not dp_done and rounds < max_rounds:
-            # aimed through the planner's compiled plans only: the model reads recipes'
-            # bytes less well than its own plans'
-            ours = [pc for pc in s.compiled if pc[0].solver == planner.name]
-            aim = _aim(model, [(identity, base), *ours], target)
-            dp = plan_at(aim)
-            if dp is None and not ours:
-                # below the model's minimum as scaled: XLA packs the lowest plans tighter
-                # than the model (its min-memory plan compiles below it on every program
-                # measured), so start just above that minimum
-                aim = model.min_memory_plan(planner.name).predicted_temp_bytes * FLOOR_MARGIN
-                dp = plan_at(aim)
-            if dp is None or prog.program_key(dp) in seen:
-                dp = None
-        dp_done = dp_done or dp is None
-        options = [
-            (s.predicted_score(r, RECIPE_FLOPS_SHARE), i, r)
-            for i, r in enumerate(recipes)
-            if recipe_may_fit(r) and prog.program_key(r) not in seen
-        ]
-        if dp is not None:
-            options.append((s.predicted_score(dp), -1, dp))
-        options = [o for o in options if o[0] < s.best[0]]
-        if not options:
-            break
-        _, i, pick = min(options, key=lambda o: (o[0], o[1]))
-        seen.add(prog.program_key(pick))
-        predicted = model.predict(pick)
-        if i >= 0:
-            recipes.pop(i)
-            c = s.try_plan(pick, f"recipe {pick.solver}")
-        else:
-            if predicted is None:
-                # a plan the segment model does not describe (dtr's save sets): nothing to
-                # check the model against or to aim by, so the full search plans it, without
-                # compiling it here
-                s.log.append(
-                    f"the cost model does not describe {planner.name}'s plans: the full search "
-                    "follows"
-                )
-                s.trusted = False
-                break
-            rounds += 1
-            c = s.try_plan(pick, f"round {rounds}: model budget {aim:,.0f}")
-            if (1 - close_enough) * target <= c.temp_bytes <= target:
-                dp_done = True
-        if predicted is not None and abs(c.temp_bytes / max(predicted * scale, 1.0) - 1) > TRUST:
-            s.log.append(
-                f"the cost model scaled to the baseline expected {predicted * scale:,.0f} temp "
-                f"bytes: off by more than {TRUST:.0%}, the full search follows"
-            )
-            s.trusted = False
-            break
-    return s
-
-
-def run_aimed(
-    prog: Program,
-    planner: Any,
-    target: float,
-    score: Callable[[Plan, Compiled], float],
-    *,
-    max_rounds: int,
-    close_enough: float,
-) -> Search:
-    """The planner's plan aimed at `target` on a model fitted to the baseline alone, and at
-    most one correction: two compiles of the program besides the baseline.
-
-    The first plan is the planner's at `AIM_FIRST` of `target` (its model is in compiled
-    bytes, `SegmentModel.fit_unrematerialized`, and reads the planner's plans low), or just
-    above the model's minimum where that is below it (`FLOOR_MARGIN`). Unless it fits within
-    `close_enough` of `target`, the second is aimed at `target` over the first's
-    compiled/modelled ratio (XLA's error on a plan carries over to plans near it),
-    `AIM_MARGIN` lower where the first missed; a model budget that gives the first plan
-    again moves down (after a miss) or up (after a fit) by `AIM_STEP` until it gives another.
-    The cheaper fitting plan of the two is the search's best.
+    The first plan is the planner's at `AIM_FIRST` of `target` (the model fitted to the
+    baseline, `SegmentModel.fit_unrematerialized`, reads the planner's plans low), or just
+    above the model's minimum where that is below it (`FLOOR_MARGIN`). Each next aim is
+    the model budget that the compiled plans' (temp, modelled bytes) map `target` to
+    (`_aim`), `AIM_MARGIN` lower after a miss; an aim that gives a plan compiled already
+    moves down (after a miss) or up (after a fit) by `AIM_STEP`, `AIM_STEPS` times at most.
+    The search ends on a plan that fits within `close_enough` of `target`, on one the model
+    predicts recomputes no less than the best fitting plan, or where no new plan comes.
 
     Args:
       prog: the program; its baseline is compiled.
       planner: `prog.planner(..., baseline_fit=True)` (its model in compiled bytes).
       target: the budget in compiled temp bytes.
       score: a compiled plan's score (FLOPs, with offload transfers).
-      max_rounds: plans compiled at most (two where it is larger).
       close_enough: a fraction of `target`.
 
     Returns:
-      The `Search`: untrusted (the full search follows, with these compiles memoized) where
-      the baseline's fit is outside `FIT_SCALE_LIMIT` (nothing compiled), a plan compiled
-      more than `TRUST` away from its modelled bytes, the model does not describe the
-      planner's plans, or the cheaper fitting plan recomputes something and compiles more
-      than `close_enough` below `target`; with no best where neither plan fits.
+      The `Search`: untrusted (nothing compiled) where the baseline's fit is outside
+      `FIT_SCALE_LIMIT` or the model does not describe the planner's plans; its best fitting
+      plan (its `jit(grad)` step not checked yet) or none.
     """
     s = Search(prog, planner, target, score, close_enough)
     model = planner.model
     scale = (model.weights or {}).get("keep", 1.0)
     if not 1 / FIT_SCALE_LIMIT <= scale <= FIT_SCALE_LIMIT:
         # XLA holds a multiple of the modelled bytes for the unrematerialized program: the
-        # model misreads it (compiled plans are then off too), so no plan is compiled here
-        s.log.append(
-            f"the baseline compiles to {scale:.2f}x its modelled bytes: the full search follows"
-        )
+        # model misreads it, so its aim means nothing here
+        s.log.append(f"the baseline compiles to {scale:.2f}x its modelled bytes: not aimed")
         s.trusted = False
         return s
     aim = target * AIM_FIRST
@@ -271,54 +119,30 @@ def run_aimed(
         aim = model.min_memory_plan(planner.name).predicted_temp_bytes * FLOOR_MARGIN
         plan = planner.plan(aim)
     keys: set[str] = set()
-    for round_ in range(min(max_rounds, 2)):
-        if plan is None or prog.program_key(plan) in keys:
-            break
-        if s.best[1] is not None and s.predicted_score(plan) >= s.best[0]:
-            s.log.append(f"aim {round_ + 1}: predicted no cheaper than the plan that fits")
-            break
-        keys.add(prog.program_key(plan))
-        predicted = model.predict(plan)
-        if predicted is None:  # a plan the segment model does not describe: nothing to aim by
-            s.log.append(
-                f"the cost model does not describe {planner.name}'s plans: the full search follows"
-            )
-            s.trusted = False
-            break
-        # an aimed plan is often the one returned: its jit(grad) step alongside, where cores
-        # are idle (`Program.compile_with_grad`)
-        c = s.try_plan(plan, f"aim {round_ + 1}: model budget {aim:,.0f}", with_grad=True)
-        ratio = c.temp_bytes / max(predicted, 1.0)
-        if abs(ratio - 1) > TRUST:
-            s.log.append(
-                f"the cost model fitted to the baseline expected {predicted:,.0f} temp bytes: "
-                f"off by more than {TRUST:.0%}, the full search follows"
-            )
-            s.trusted = False
-            break
-        fits = c.temp_bytes <= target
-        if fits and c.temp_bytes >= (1 - close_enough) * target:
-            break
-        # the correction: modelled bytes that, with this plan's error, compile to the target
-        aim = target / ratio * (1.0 if fits else 1 - AIM_MARGIN)
+    fits = True
+    while plan is not None and prog.compiles_left >= 2:  # the plan and its jit(grad) check
         step = 1 + AIM_STEP if fits else 1 - AIM_STEP
-        plan = planner.plan(aim)
         for _ in range(AIM_STEPS):
             if plan is None or prog.program_key(plan) not in keys:
                 break
             aim *= step
             plan = planner.plan(aim)
-    _, chosen, c = s.best
-    recomputes = chosen is not None and c.flops > prog.baseline.flops
-    if s.trusted and recomputes and c.temp_bytes < (1 - close_enough) * target:
-        # two shots left room a plan nearer the target would spend on less recompute
-        # (heldout's GPT-2 at 0.4, jax 0.10: 95.7% of the target, 2.51% extra FLOPs, where
-        # the full search's plan compiles to 99.9%, 2.14%): the full search decides
-        s.log.append(
-            f"the plan that fits compiles to {c.temp_bytes / max(target, 1):.1%} of the "
-            f"target, more than {close_enough:.0%} below it: the full search follows"
-        )
-        s.trusted = False
+        if plan is None or prog.program_key(plan) in keys:
+            break
+        if s.best[1] is not None and s.predicted_score(plan) >= s.best[0]:
+            s.log.append(f"aim {len(keys) + 1}: predicted no cheaper than the plan that fits")
+            break
+        if model.predict(plan) is None:  # nothing to aim by
+            s.log.append(f"the cost model does not describe {planner.name}'s plans: not aimed")
+            s.trusted = False
+            break
+        keys.add(prog.program_key(plan))
+        c = s.try_plan(plan, f"aim {len(keys)}: model budget {aim:,.0f}")
+        fits = c.temp_bytes <= target
+        if fits and c.temp_bytes >= (1 - close_enough) * target:
+            break
+        aim = _aim(model, s.compiled, target * (1.0 if fits else 1 - AIM_MARGIN))
+        plan = planner.plan(aim)
     return s
 
 

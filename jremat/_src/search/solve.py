@@ -24,7 +24,7 @@ from jremat._src.base.args import check_count, check_flag
 from jremat._src.base.batching import Batching
 from jremat._src.base.budget import Budget, parse_budget
 from jremat._src.base.errors import InfeasibleBudgetError
-from jremat._src.compile.program import Compiled, Program
+from jremat._src.compile.program import CompileBudgetSpent, Compiled, Program
 from jremat._src.compile.xla import step_grad
 from jremat._src.plan.offload import OffloadCost, host_offload_effective, parse_offload
 from jremat._src.plan.plan import Plan, plan_key
@@ -37,19 +37,10 @@ logger = logging.getLogger(__name__)
 SOLVERS = ("auto", "chain", "greedy", "dtr", "milp")
 
 #: Whether `solve` tries the best-first search (search/predicted.py) before the full one on
-#: programs whose layers live in top-level scans (loop settings: the same plans, a third of
-#: the compiles) and on the others (`predicted.run`: half the compiles on GPT-2, but plans
-#: that recompute 0.1-0.2 points of FLOPs more than the full search's, and off for that:
-#: docs/design.md#best-first-search). `benchmarks/plan_cost.py --full-search` sets both False,
-#: and `NO_RECOMPUTE_FIRST` too.
+#: programs whose layers live in top-level scans (their loop settings: the same plans, a
+#: third of the compiles; docs/design.md#best-first-search). `benchmarks/plan_cost.py
+#: --full-search` sets it False, and `NO_RECOMPUTE_FIRST` too.
 BEST_FIRST_LOOPS = True
-BEST_FIRST_UNROLLED = False
-
-#: Whether `solve` plans unrolled programs by the aimed search first (`predicted.run_aimed`:
-#: the planner's plan at the target on a model fitted to the baseline, one correction; the
-#: full search where it finds no plan or the model misreads the program), in place of
-#: `BEST_FIRST_UNROLLED`'s search (docs/design.md#best-first-search).
-AIMED_UNROLLED = False
 
 #: Whether `solve` compiles the recipe that saves the most (`mixing.most_saving_plan`) with
 #: the baseline before the reference plans, and returns it where it fits and XLA counts no
@@ -111,6 +102,7 @@ def plan(
     graph: Graph | None = None,
     has_aux: bool = False,
     batching: Batching | None = None,
+    compile_budget: int | None = None,
 ) -> Plan:
     """Plan the rematerialization of `fn` under a memory budget.
 
@@ -170,6 +162,12 @@ def plan(
         `fn`'s per-example program, but the step compiled, verified and budgeted is the
         vmapped one at the batched arguments (a fraction is of its unrematerialized temp).
         None (default): no vmap.
+      compile_budget: the whole-program compiles the search may spend, an int >= 3 (each
+        `value_and_grad` and `jit(grad)` step compiled counts one, the unrematerialized step
+        and the verification included; 4 with `has_aux`, whose unrematerialized step is
+        also compiled without its aux), or None (default): no limit. Where it runs out, the
+        cheapest plan compiled so far that holds on both steps is returned
+        (docs/guides/planning-cost.md). `Plan.compiles` records what was spent.
 
     Returns:
       A `Plan`; `Plan.identity` when the budget is at or above the unrematerialized program,
@@ -178,9 +176,11 @@ def plan(
 
     Raises:
       ValueError: an invalid budget (names the accepted forms) or unknown solver;
-        `max_rounds` or `max_cuts` below 1.
+        `max_rounds` or `max_cuts` below 1; `compile_budget` below what verification needs.
       InfeasibleBudgetError: no plan reaches the budget; states the smallest reachable budget
-        in the caller's unit.
+        in the caller's unit. Also where `compile_budget` ran out before a plan that fits
+        was verified (the message says so and states the lowest plan verified).
+      TypeError: `compile_budget` not an int or None (a bool included).
       TypeError: `fn` does not return a scalar float (with `has_aux`, a pair whose first
         element is one; a pair returned without `has_aux` names it), or `argnums` selects no
         float input; `has_aux` not a bool;
@@ -201,6 +201,8 @@ def plan(
     verify = check_flag("verify", verify)
     max_rounds = check_count("max_rounds", max_rounds)
     max_cuts = check_count("max_cuts", max_cuts)
+    if compile_budget is not None:
+        compile_budget = check_count("compile_budget", compile_budget)
     t0 = time.perf_counter()
     prog = Program(
         fn,
@@ -227,6 +229,7 @@ def plan(
         max_rounds=max_rounds,
         max_cuts=max_cuts,
         offload=offload_cost,
+        compile_budget=compile_budget,
     )
 
 
@@ -239,6 +242,7 @@ def solve(
     max_rounds: int = 4,
     max_cuts: int = 160,
     offload: OffloadCost | None = None,
+    compile_budget: int | None = None,
 ) -> Plan:
     """`plan` on an already traced `Program` (lets callers reuse the baseline compile).
 
@@ -249,37 +253,72 @@ def solve(
     1. `_compile_baseline`: the unrematerialized step (the target of a fraction), in one
        parallel batch with what the next stage needs first;
     2. `_no_recompute`: the recipe that saves the most, returned where it recomputes nothing
-       (after stage 3 where that is the aimed search, `AIMED_UNROLLED`);
-    3. `_best_first`: the best-first search (search/predicted.py), where it is on;
+       (after stage 3 under a compile budget, where stage 3 is the aimed search);
+    3. `_best_first`: the best-first search (search/predicted.py): loop settings for scan
+       programs; under a compile budget, plans aimed at the target for the others;
     4. the full search: (a) `_calibrate` (reference plans, the cost model fitted to them),
        (b) `_choose` (floor plans, rounds, mixes, refinement), (c) verify:
        `_holds_under_grad` (the chosen plan's `jit(grad)` step), then `_finish_full`.
+
+    Under a compile budget every stage stops where the next compile would leave none for a
+    plan's `jit(grad)` check; `_budget_spent` then returns the cheapest compiled plan that
+    holds on both steps.
     """
     spec = spec.for_device(prog.device)  # a "device" budget: of the device compiled for
+    needed = prog.verification_compiles()
+    if compile_budget is not None and compile_budget < needed:
+        raise ValueError(
+            f"compile_budget={compile_budget!r} is below the {needed} compiles verification "
+            "needs on this program (the unrematerialized step, a plan's value_and_grad step "
+            "and its jit(grad) step"
+            + (", and the unrematerialized step without its aux" if needed > 3 else "")
+            + f"): pass compile_budget>={needed}, or None for no limit"
+        )
+    prog.compile_budget, prog.compiles_spent = compile_budget, 0
+    try:
+        p = _search(prog, spec, solver, verify, max_rounds, max_cuts, offload)
+    except CompileBudgetSpent:
+        p = _budget_spent(prog, spec, offload, solver)
+    finally:
+        prog.settle()  # no `jit(grad)` compile started ahead outlives the search
+        spent, prog.compile_budget = prog.compiles_spent, None
+    p.compiles = spent
+    return p
+
+
+def _search(
+    prog: Program,
+    spec: Budget,
+    solver: str,
+    verify: bool,
+    max_rounds: int,
+    max_cuts: int,
+    offload: OffloadCost | None,
+) -> Plan:
+    """`solve`'s stages, under the program's compile budget (`CompileBudgetSpent` ends them)."""
     if not prog.graph.num_nodes:  # `lambda x: x`, a jit returning an input: nothing to remat
         if (error := spec.nothing_to_rematerialize("fn traces to no equations")) is not None:
             raise error
     score = functools.partial(_score, offload)
     t0 = time.perf_counter()
-    # best-first first (search/predicted.py; loop settings for scan programs); the full
-    # search below where it finds no plan. Straight to the full search: the heuristic
-    # planners (greedy, DTR), whose plan at a model budget is not the model's cheapest, which
-    # the best-first search stops on, and offloading scan programs
+    # best-first first (search/predicted.py): loop settings for scan programs, and under a
+    # compile budget the aimed search for the others; the full search below where it finds
+    # no plan. Straight to the full search: the heuristic planners (greedy, DTR), whose plan
+    # at a model budget is not the model's cheapest, which the best-first search stops on,
+    # and offloading programs
+    budgeted = prog.compile_budget is not None
     best_first = (
         verify
         and solver in BEST_FIRST_SOLVERS
-        and (
-            BEST_FIRST_LOOPS and offload is None
-            if prog.has_scan
-            else BEST_FIRST_UNROLLED or (AIMED_UNROLLED and offload is None)
-        )
+        and offload is None
+        and (BEST_FIRST_LOOPS if prog.has_scan else budgeted)
     )
     # the recipe that may need no recompute: tried whenever the target is below the baseline
     # (not only where `_likely_below` guessed so), so that where the search ends does not
     # depend on the guess (byte budgets of sharded programs, a model an earlier search fitted)
     # (after the aimed search where it hands over: compiled up front, it would be one more
-    # compile in every call where it does not end the search)
-    aimed = best_first and not prog.has_scan and AIMED_UNROLLED and offload is None
+    # compile of a budget in every call where it does not end the search)
+    aimed = best_first and not prog.has_scan
     eligible = (
         verify and (aimed or not best_first) and offload is None and solver in BEST_FIRST_SOLVERS
     )
@@ -288,6 +327,8 @@ def solve(
         if verify and not best_first:
             _compile_baseline(prog, spec, first, lambda: prog.planner(solver, max_cuts, offload))
         base = prog.baseline
+    except CompileBudgetSpent:
+        raise
     except Exception as e:  # noqa: BLE001 - re-raised unless fn has no reverse derivative
         return _no_reverse_derivative(prog, spec, e)
     target = spec.temp_bytes(base.temp_bytes, base.fixed_bytes)
@@ -304,9 +345,7 @@ def solve(
         return found
     carried: list[tuple[Plan, Compiled]] = []  # what the best-first search compiled
     if best_first:
-        found, carried = _best_first(
-            prog, target, meta, score, solver, max_rounds, max_cuts, offload
-        )
+        found, carried = _best_first(prog, target, meta, score, solver, max_cuts)
         if found is not None:
             return found
     if first is not None and aimed and (found := _no_recompute(prog, target, first, meta, solver)):
@@ -351,7 +390,52 @@ def solve(
             _raise_infeasible(spec, prog, target_free)
         return _finish_full(prog, planner, cal, chosen, c, [*cal.log, *cands.log], meta, solver)
     finally:
-        prog.settle()  # no `jit(grad)` compile started ahead outlives the search
+        prog.settle()
+
+
+def _budget_spent(prog: Program, spec: Budget, offload: OffloadCost | None, solver: str) -> Plan:
+    """The compile budget ran out mid-search: the cheapest plan compiled on this program that
+    fits the target on its `value_and_grad` step and on its `jit(grad)` step (checked with the
+    compile the budget kept for it, where it is not known yet).
+
+    Raises:
+      InfeasibleBudgetError: no plan compiled holds; states the lowest plan verified on both
+        steps (1.0, the unrematerialized program, where none was), which holds.
+    """
+    base = prog.baseline
+    target = spec.temp_bytes(base.temp_bytes, base.fixed_bytes)
+    meta = dict(budget=spec.raw, budget_temp_bytes=int(target) if target > 0 else 0)
+    score = functools.partial(_score, offload)
+    ranked = sorted(
+        ((score(p, c), i, p, c) for i, (p, c) in enumerate(prog.tried) if c.temp_bytes <= target),
+        key=lambda t: t[:2],
+    )
+    for _, _, p, c in ranked:
+        if not prog.grad_known(p) and prog.compiles_left < 1:
+            continue
+        grad_temp = prog.grad_step_temp(p)
+        if grad_temp <= target:
+            held = dataclasses.replace(c, temp_bytes=max(c.temp_bytes, grad_temp))
+            chosen = prog.record(copy.deepcopy(p), held)
+            chosen.predicted_temp_bytes = 0
+            chosen.notes.append(
+                f"compile budget of {prog.compile_budget} spent: the cheapest compiled plan "
+                "that holds on both steps"
+            )
+            return _finish(chosen, meta, solver, prog.graph)
+    verified = [
+        max(c.temp_bytes, prog.grad_step_temp(p)) for p, c in prog.tried if prog.grad_known(p)
+    ]
+    least = min([*verified, base.temp_bytes])  # the budget of the unrematerialized program
+    smallest = spec.in_caller_unit(least, base.temp_bytes, base.fixed_bytes)
+    raise InfeasibleBudgetError(
+        f"budget={spec.raw!r}: the compile budget of {prog.compile_budget} compiles ran out "
+        f"before a plan within it was verified; the lowest plan verified reaches "
+        f"{spec.describe(smallest)}. Raise compile_budget (None: no limit), or the budget.",
+        budget=spec.raw,
+        smallest_reachable=smallest,
+        smallest_reachable_bytes=least,
+    )
 
 
 def _score(offload: OffloadCost | None, p: Plan, c: Compiled) -> float:
@@ -819,29 +903,19 @@ def _best_first(
     meta: dict,
     score: Callable[[Plan, Compiled], float],
     solver: str,
-    max_rounds: int,
     max_cuts: int,
-    offload: OffloadCost | None,
 ) -> tuple[Plan | None, list[tuple[Plan, Compiled]]]:
-    """The plan of the best-first search (`predicted.run_loops` for scan programs; else
-    `predicted.run_aimed` with `AIMED_UNROLLED` and no offload, or `predicted.run`, then
-    mixes of the compiled recipes where a recipe won with room left under the target) whose
-    `jit(grad)` step fits too, or None where none fits or the model misreads the program; and
-    every plan it compiled (candidates of the full search then)."""
+    """The plan of the best-first search (`predicted.run_loops` for scan programs; else,
+    under a compile budget, `predicted.run_budgeted`) whose `jit(grad)` step fits too, or
+    None where none fits or the model misreads the program; and every plan it compiled
+    (candidates of the full search then)."""
     t0 = time.perf_counter()
     if prog.has_scan:  # layers inside loops: their loop settings (search/predicted.py)
         planner = None
         found = predicted.run_loops(prog, target, score, close_enough=CLOSE_ENOUGH)
-    elif AIMED_UNROLLED and offload is None:  # one plan at the target and one correction
+    else:  # a compile budget: plans aimed at the target while it lasts
         planner = prog.planner(solver, max_cuts, baseline_fit=True)
-        found = predicted.run_aimed(
-            prog, planner, target, score, max_rounds=max_rounds, close_enough=CLOSE_ENOUGH
-        )
-    else:
-        planner = prog.planner(solver, max_cuts, offload, uncalibrated=True)
-        found = predicted.run(
-            prog, planner, target, score, max_rounds=max_rounds, close_enough=CLOSE_ENOUGH
-        )
+        found = predicted.run_budgeted(prog, planner, target, score, close_enough=CLOSE_ENOUGH)
     best, pool = found.best, list(found.compiled)
     if not found.trusted:
         logger.info("best-first search hands over to the full search: %s", found.log[-1])
@@ -851,15 +925,6 @@ def _best_first(
             "best-first search: no plan fits (%s); the full search follows", "; ".join(found.log)
         )
         return None, pool
-    recipe_won = planner is not None and best[1].solver != planner.name
-    if recipe_won and best[2].temp_bytes < (1 - CLOSE_ENOUGH) * target:
-        # a recipe beat the planner's plans and left room under the target: some of its
-        # layers under a recipe that saves more (the planner's own plans already choose an
-        # option per segment)
-        for p, c in mixing.search(prog, target, best[0], close_enough=CLOSE_ENOUGH):
-            pool.append((p, c))
-            if c.temp_bytes <= target and score(p, c) < best[0]:
-                best = (score(p, c), p, c)
     best = _holds_under_grad(prog, target, best, [(score(p, c), p, c) for p, c in pool])
     if best[1] is None:
         return None, pool

@@ -1,0 +1,101 @@
+"""A compile budget (`jremat.plan(compile_budget=)`): whole-program compiles one search may
+spend, verification included; the cheapest plan that holds on both steps when it runs out."""
+
+from __future__ import annotations
+
+import chex
+import jax
+import models as M  # tests/ is on sys.path via conftest
+import pytest
+
+import jremat
+from jremat._src.base.budget import parse_budget
+from jremat._src.compile.program import Program
+from jremat._src.search import solve as solve_module
+from jremat._src.search.solve import solve
+
+
+@pytest.fixture(scope="module")
+def decoder():
+    return M.decoder(depth=4, d=64, seq=64, batch=8)
+
+
+def _grad_temp(loss, args) -> int:
+    """The caller's own `jit(grad)` step, compiled apart from jremat's programs."""
+    exe = jax.jit(jax.grad(loss)).lower(*args).compile()
+    return exe.memory_analysis().temp_size_in_bytes
+
+
+@pytest.mark.parametrize("compile_budget", [3, 4])
+def test_a_plan_spends_at_most_its_compile_budget_and_holds_where_it_runs(decoder, compile_budget):
+    """Every compile counts (the baseline and the `jit(grad)` check too); the plan records
+    what it spent, and the caller's `jit(grad)` step under it is within the budget, with
+    the unrematerialized gradients."""
+    plan = jremat.plan(decoder.loss, *decoder.args, budget=0.5, compile_budget=compile_budget)
+    assert plan.compiles is not None and plan.compiles <= compile_budget
+    target = 0.5 * plan.baseline_temp_bytes
+    assert plan.measured_temp_bytes <= target
+    remat = jremat.rematerialize(decoder.loss, plan)
+    assert _grad_temp(remat, decoder.args) <= target
+    chex.assert_trees_all_close(
+        jax.grad(remat)(*decoder.args), jax.grad(decoder.loss)(*decoder.args), rtol=1e-4, atol=1e-8
+    )
+
+
+def test_where_the_budget_runs_out_in_the_full_search_the_cheapest_verified_plan_returns(
+    decoder, monkeypatch
+):
+    """With the full search cut short (no best-first search: the budget runs out among its
+    reference plans), the plan returned is one compiled on the way that holds on both
+    steps, and the notes say the budget was spent."""
+    monkeypatch.setattr(solve_module, "NO_RECOMPUTE_FIRST", False)
+    from jremat._src.search import predicted
+
+    monkeypatch.setattr(predicted, "FIT_SCALE_LIMIT", 1.0)  # the aimed search hands over
+    prog = Program(decoder.loss, decoder.args, 0)
+    plan = solve(prog, parse_budget(0.6), solver=M.SOLVER, compile_budget=4)
+    assert plan.compiles == prog.compiles_spent <= 4
+    assert any("compile budget of 4 spent" in n for n in plan.notes)
+    target = 0.6 * plan.baseline_temp_bytes
+    assert max(plan.measured_temp_bytes, prog.grad_step_temp(plan)) <= target
+    assert any(plan.measured_flops == c.flops for _, c in prog.tried)
+
+
+def test_a_budget_that_runs_out_before_any_plan_fits_states_a_floor_that_holds(decoder):
+    """Three compiles at a budget the aimed plan misses: `InfeasibleBudgetError` says the
+    compile budget ran out, and its smallest reachable budget is met when planned at."""
+    with pytest.raises(jremat.InfeasibleBudgetError, match="compile budget of 3") as e:
+        jremat.plan(decoder.loss, *decoder.args, budget=0.05, compile_budget=3)
+    again = jremat.plan(decoder.loss, *decoder.args, budget=e.value.smallest_reachable)
+    assert again.measured_temp_bytes <= e.value.smallest_reachable * again.baseline_temp_bytes
+
+
+def test_compile_budgets_below_what_verification_needs_are_refused_by_name(decoder):
+    with pytest.raises(ValueError, match=r"compile_budget=2 .* pass compile_budget>=3"):
+        jremat.plan(decoder.loss, *decoder.args, budget=0.5, compile_budget=2)
+    with pytest.raises(ValueError, match="compile_budget>=4"):  # has_aux: its aux-less step
+        jremat.plan(
+            lambda p, t: (decoder.loss(p, t), t.sum()),
+            *decoder.args,
+            budget=0.5,
+            has_aux=True,
+            compile_budget=3,
+        )
+    for bad in (True, 2.5, "4"):
+        with pytest.raises(TypeError, match="compile_budget"):
+            jremat.plan(decoder.loss, *decoder.args, budget=0.5, compile_budget=bad)
+    with pytest.raises(TypeError, match="compile_budget"):
+        jremat.auto(decoder.loss, compile_budget=True)
+
+
+def test_auto_passes_its_compile_budget_and_keys_plans_by_it(decoder):
+    """`jremat.auto(compile_budget=)`: the plan its first call makes spent at most that; a
+    wrapper with another compile budget keys its plans apart (another search)."""
+    small = jremat.auto(decoder.loss, budget=0.5, compile_budget=3, plan_dir=False)
+    jax.jit(jax.grad(small))(*decoder.args)
+    (plan,) = small.plans.values()
+    assert plan.compiles <= 3
+    unlimited = jremat.auto(decoder.loss, budget=0.5, plan_dir=False)
+    graph = jremat.trace(decoder.loss, *decoder.args)
+    avals = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), decoder.args)
+    assert small.plan_cache.key(graph, avals)[0] != unlimited.plan_cache.key(graph, avals)[0]
