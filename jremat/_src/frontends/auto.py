@@ -22,6 +22,7 @@ import numpy as np
 from jremat._src.base import compat as _compat
 from jremat._src.base.args import normalize_argnums
 from jremat._src.base.batching import Batching, UnsupportedBatching, batching_of
+from jremat._src.base.budget import BudgetLike
 from jremat._src.base.sharding import check_known, leaf_sharding, manual_axes, shard_args
 from jremat._src.frontends.blocks import is_disabled
 from jremat._src.frontends.cache import PlanCache
@@ -39,7 +40,7 @@ from jremat._src.trace.graph import Graph, build_graph, signature
 def auto(
     fn: Any = None,
     *,
-    budget: Any = 0.5,
+    budget: BudgetLike = 0.5,
     solver: str | None = None,
     argnums: int | Sequence[int] | None = None,
     verify: bool = True,

@@ -12,6 +12,7 @@ import os
 from typing import Any
 
 from jremat import policies
+from jremat._src.base.budget import BudgetLike
 from jremat._src.trace.graph import Graph
 from jremat._src.trace.sources import source_span
 
@@ -292,7 +293,7 @@ class Plan:
     fingerprint: str
     num_nodes: int
     solver: str = "chain"
-    budget: Any = None
+    budget: BudgetLike | None = None
     budget_temp_bytes: int | None = None
     predicted_temp_bytes: int = 0
     recompute_flops: float = 0.0

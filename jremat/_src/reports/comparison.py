@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 
 from jremat import policies as _policies
-from jremat._src.base.budget import Budget, parse_budget
+from jremat._src.base.budget import Budget, BudgetLike, parse_budget
 from jremat._src.base.errors import InfeasibleBudgetError
 from jremat._src.compile.program import Program
 from jremat._src.plan.plan import Plan
@@ -87,7 +87,7 @@ class Row:
     """
 
     policy: str
-    budget: Any = None
+    budget: BudgetLike | None = None
     temp_bytes: int | None = None
     footprint_bytes: int | None = None
     flops: float | None = None
@@ -463,7 +463,7 @@ def compare(
     fn: Callable[..., Any],
     *args: Any,
     policies: str | Sequence[Any] | None = None,
-    budgets: Sequence[Any] | None = None,
+    budgets: Sequence[BudgetLike] | None = None,
     argnums: int | Sequence[int] = 0,
     runs: int = 0,
     solvers: Sequence[str] = ("auto",),

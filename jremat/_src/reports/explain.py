@@ -17,6 +17,7 @@ import jax
 from jremat import policies
 from jremat._src.base import compat as _compat
 from jremat._src.base.args import abstract_args
+from jremat._src.base.budget import BudgetLike
 from jremat._src.compile.blocks import pairing
 from jremat._src.frontends.auto import is_static_arg
 from jremat._src.frontends.blocks import disabled
@@ -79,7 +80,7 @@ class Explanation:
     rows: list[ExplainRow]
     plan: Plan
     graph: Graph
-    budget: Any
+    budget: BudgetLike
     baseline_temp_bytes: int | None
     planned_temp_bytes: int | None
 
@@ -157,7 +158,7 @@ class Explanation:
 def explain(
     target: Any,
     *args: Any,
-    budget: Any = 0.5,
+    budget: BudgetLike = 0.5,
     solver: str | None = None,
     verify: bool = True,
     max_rounds: int = 4,

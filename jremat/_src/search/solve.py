@@ -22,7 +22,7 @@ import numpy as np
 from jremat._src.base import compat as _compat
 from jremat._src.base.args import check_count, check_flag
 from jremat._src.base.batching import Batching
-from jremat._src.base.budget import Budget, parse_budget
+from jremat._src.base.budget import Budget, BudgetLike, parse_budget
 from jremat._src.base.errors import InfeasibleBudgetError
 from jremat._src.compile.program import Compiled, Program
 from jremat._src.compile.xla import step_grad
@@ -99,7 +99,7 @@ def check_solver(solver: Any, *, none_ok: bool = False) -> None:
 def plan(
     fn: Callable[..., Any],
     *args: Any,
-    budget: Any,
+    budget: BudgetLike,
     solver: str = "auto",
     argnums: int | Sequence[int] = 0,
     verify: bool = True,

@@ -20,7 +20,7 @@ import optax
 
 from jremat._src.base import compat as _compat
 from jremat._src.base.args import check_flag, check_scalar_output
-from jremat._src.base.budget import parse_budget
+from jremat._src.base.budget import BudgetLike, parse_budget
 from jremat._src.base.errors import InfeasibleBudgetError
 from jremat._src.base.sharding import shard_args
 from jremat._src.base.targets import args_device
@@ -177,7 +177,7 @@ def plan_training(
     params: Any,
     batch: Any,
     *,
-    budget: Any,
+    budget: BudgetLike,
     optimizer: Any = None,
     candidates: Iterable[int] | None = None,
     remat_budgets: Sequence[float] = DEFAULT_REMAT_BUDGETS,
