@@ -287,6 +287,19 @@ class Plan:
         policy (a policy "keep" leaves its iterations unrematerialized); see docs/design.md#mixes.
         In JSON each is `{"policy": p, "nest": k}` or `{"pieces": [{"length": n, "policy": p,
         "nest": k}, ...]}` (`ScanSetting.to_dict`).
+
+    Examples:
+      >>> import jax, jax.numpy as jnp, jremat
+      >>> def loss(ws, x):  # a 4-layer MLP
+      ...     for w in ws:
+      ...         x = jnp.tanh(x @ w)
+      ...     return jnp.mean(x**2)
+      >>> ws, x = [jnp.full((64, 64), 0.01)] * 4, jnp.ones((128, 64))
+      >>> p = jremat.plan(loss, ws, x, budget=0.9)
+      >>> p.num_nodes == sum(s.end - s.start for s in p.segments)  # segments cover the graph
+      True
+      >>> jremat.Plan.from_json(p.to_json()) == p  # saved and loaded unchanged
+      True
     """
 
     segments: list[Segment]

@@ -203,6 +203,20 @@ def explain(
       TypeError: a Module class (pass an instance with its variables), or arguments the
         target cannot be differentiated on; the errors of `jremat.plan`
         (`InfeasibleBudgetError`, ...) unchanged.
+
+    Examples:
+      >>> import jax, jax.numpy as jnp, jremat
+      >>> def loss(ws, x):  # a 4-layer MLP
+      ...     for w in ws:
+      ...         x = jnp.tanh(x @ w)
+      ...     return jnp.mean(x**2)
+      >>> ws, x = [jnp.full((64, 64), 0.01)] * 4, jnp.ones((128, 64))
+      >>> e = jremat.explain(loss, ws, x, budget=0.9)
+      >>> e.planned_temp_bytes < e.baseline_temp_bytes
+      True
+      >>> sizes = [r.activation_bytes for r in e.rows]
+      >>> sizes == sorted(sizes, reverse=True)  # largest activations first
+      True
     """
     with disabled():
         fn, fargs, nums, model_nodes = _as_loss(

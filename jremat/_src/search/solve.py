@@ -194,6 +194,17 @@ def plan(
         (the message quotes JAX's reason and names budget=1.0).
       ValueError (sharding): `in_shardings` does not match the arguments, a `PartitionSpec`
         without a mesh, or a mesh needing more devices than exist (docs/design.md#sharding).
+
+    Examples:
+      >>> import jax, jax.numpy as jnp, jremat
+      >>> def loss(ws, x):  # a 4-layer MLP
+      ...     for w in ws:
+      ...         x = jnp.tanh(x @ w)
+      ...     return jnp.mean(x**2)
+      >>> ws, x = [jnp.full((64, 64), 0.01)] * 4, jnp.ones((128, 64))
+      >>> p = jremat.plan(loss, ws, x, budget=0.9)  # 90% of the temp bytes without remat
+      >>> p.measured_temp_bytes <= p.budget_temp_bytes < p.baseline_temp_bytes
+      True
     """
     spec = parse_budget(budget)
     offload_cost = parse_offload(offload)
