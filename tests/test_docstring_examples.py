@@ -10,7 +10,9 @@ public docstring's examples too; this file makes sure these objects keep theirs.
 from __future__ import annotations
 
 import doctest
+import re
 import typing
+from pathlib import Path
 
 import pytest
 
@@ -28,6 +30,7 @@ DOCUMENTED = (
     "compare",
     "Plan",
 )
+ROOT = Path(__file__).resolve().parent.parent
 FLAGS = doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE
 
 
@@ -68,3 +71,29 @@ def test_budget_like_names_the_accepted_types():
     for budget in (0.5, 1 << 20, "512MiB", jremat.parse_budget("8GB")):
         assert isinstance(budget, jremat.BudgetLike)
         assert isinstance(jremat.parse_budget(budget), Budget)
+
+
+def _anchors(page: Path) -> set[str]:
+    """The heading ids of a docs page, as mkdocs' `toc` extension makes them."""
+    from markdown.extensions.toc import slugify
+
+    ids = set()
+    for m in re.finditer(r"^#{1,6} +(.+?)(?: *\{#([\w-]+)\})? *$", page.read_text("utf-8"), re.M):
+        ids.add(m[2] or slugify(m[1].replace("`", ""), "-"))
+    return ids
+
+
+def test_docstring_links_to_the_docs_resolve():
+    """The docs links of the docstrings (relative to the API pages, docs/api/) name a page and
+    a heading that exist; the strict build does not check links inside docstrings."""
+    docs = ROOT / "docs"
+    links = set()
+    for path in (ROOT / "jremat").rglob("*.py"):
+        links |= set(re.findall(r"\]\(\.\./([\w/-]+\.md)(?:#([\w-]+))?\)", path.read_text("utf-8")))
+    assert len(links) >= 10
+    broken = [
+        f"{page}#{anchor}"
+        for page, anchor in sorted(links)
+        if not (docs / page).is_file() or (anchor and anchor not in _anchors(docs / page))
+    ]
+    assert not broken, f"docstring links to missing pages or headings: {broken}"

@@ -193,7 +193,7 @@ def auto(
       outputs, and its budget bounds what the block *keeps from its forward to its backward
       pass* (what accumulates over a stack of blocks), measured on compiled programs: a
       fraction is of the unrematerialized block's kept bytes, bytes cap them (see
-      docs/design.md#flax-blocks).
+      [design.md#flax-blocks](../design.md#flax-blocks)).
 
       **Sharding.** `in_shardings` is needed when `fn` is called inside `jax.jit` in JAX's
       default (Auto) sharding mode on more than one device, where the tracers do not say how
@@ -207,7 +207,8 @@ def auto(
       **The plan cache.** Each plan is written to `plan_dir` as JSON, keyed by a stable hash
       of the signature, shardings, budget, solver, program fingerprint, backend and
       jax/jremat versions, and loaded instead of solved when a later run meets the same key
-      (the wrapper's `plan_cache`; docs/design.md#flax-blocks, "The plan cache").
+      (the wrapper's `plan_cache`; [design.md#flax-blocks](../design.md#flax-blocks), "The plan
+      cache").
     """
     options = AutoOptions(
         budget=budget,

@@ -128,9 +128,9 @@ class ScanSetting:
         steps (sqrt(L) nesting); k must divide the length (`rematerialize` raises
         ValueError otherwise).
       pieces: None, or the loop split into consecutive scans: the first `pieces[0].length`
-        iterations under `pieces[0].policy`, and so on (see docs/design.md#mixes). With pieces,
-        `policy` and `nest` stay at their defaults: each piece has its own. A list is stored
-        as a tuple.
+        iterations under `pieces[0].policy`, and so on (see [design.md#mixes](../design.md#mixes)).
+        With pieces, `policy` and `nest` stay at their defaults: each piece has its own. A list is
+        stored as a tuple.
 
     The JSON form (`to_dict`, `from_dict`; `Plan.to_json` writes it) is
     `{"policy": p, "nest": k}` or `{"pieces": [{"length": n, "policy": p, "nest": k}, ...]}`.
@@ -264,7 +264,8 @@ class Plan:
       budget: the budget asked for, as the caller gave it (JSON-able), or None.
       budget_temp_bytes: that budget translated to XLA temp bytes, or None.
       predicted_temp_bytes: the planner's calibrated prediction of compiled temp bytes; 0 when
-        the cost model cannot describe the plan (sub-layer segments, docs/design.md#refinement).
+        the cost model cannot describe the plan (sub-layer segments,
+        [design.md#refinement](../design.md#refinement)).
       recompute_flops: predicted FLOPs recomputed in the backward pass.
       offloaded_bytes: predicted bytes the plan offloads to pinned host memory (each copied to
         host in the forward pass and back in the backward pass); 0 without offload.
@@ -276,17 +277,18 @@ class Plan:
       baseline_flops: compiled FLOPs of the unrematerialized `value_and_grad`, when known.
       memory_figure: how the compiled temp bytes were read from XLA's `memory_analysis()` on
         the target (`"temp_size_in_bytes"` on CPU and GPU; on TPU `"peak_memory_in_bytes -
-        (argument + output - alias)"`, docs/guides/tpu.md#the-memory-figure); None when
-        nothing was compiled (or in plans saved before the field existed).
+        (argument + output - alias)"`,
+        [guides/tpu.md#the-memory-figure](../guides/tpu.md#the-memory-figure)); None when nothing
+        was compiled (or in plans saved before the field existed).
       target: the platform and device kind the plan was compiled for, e.g. `"cpu"` or
         `"tpu:TPU v5 lite x4"` (devices of the mesh); None when nothing was compiled.
       notes: free-form lines (rounds of verification, calibration).
       scans: per scan equation (its node index, as a string), how its loop is rematerialized:
         a `ScanSetting`, either one body policy for every iteration (with sqrt(L) nesting
         when `nest` > 1) or the loop split into consecutive `ScanPiece`s, each under its own
-        policy (a policy "keep" leaves its iterations unrematerialized); see docs/design.md#mixes.
-        In JSON each is `{"policy": p, "nest": k}` or `{"pieces": [{"length": n, "policy": p,
-        "nest": k}, ...]}` (`ScanSetting.to_dict`).
+        policy (a policy "keep" leaves its iterations unrematerialized); see
+        [design.md#mixes](../design.md#mixes). In JSON each is `{"policy": p, "nest": k}` or
+        `{"pieces": [{"length": n, "policy": p, "nest": k}, ...]}` (`ScanSetting.to_dict`).
 
     Examples:
       >>> import jax, jax.numpy as jnp, jremat

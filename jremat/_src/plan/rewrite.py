@@ -512,8 +512,9 @@ def rematerialize(
     for, and re-evaluates its equations: every checkpointed segment runs under
     `jax.checkpoint(policy=save_only_these_names(...), prevent_cse=prevent_cse)` with its saved
     values tagged by `jax.ad_checkpoint.checkpoint_name` (`save_and_offload_only_these_names`
-    where a segment offloads values to host memory; see docs/design.md#host-offload). Composes with
-    `jit`, `grad`, `value_and_grad` and `vmap`. A plan that checkpoints nothing returns `fn` itself.
+    where a segment offloads values to host memory; see
+    [design.md#host-offload](../design.md#host-offload)). Composes with `jit`, `grad`,
+    `value_and_grad` and `vmap`. A plan that checkpoints nothing returns `fn` itself.
 
     Args:
       fn: the function the plan was made for (positional array/pytree arguments).

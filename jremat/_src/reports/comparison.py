@@ -140,7 +140,7 @@ class Comparison:
     # -- queries --------------------------------------------------------------------------
     def pareto(self) -> list[Row]:
         """The compiled rows no other row beats in both temp bytes and extra FLOPs, sorted by
-        extra FLOPs (docs/design.md#reports)."""
+        extra FLOPs ([design.md#reports](../design.md#reports))."""
         ok = [r for r in self.rows if r.ok]
         return [ok[i] for i in pareto_front([(r.extra_flops_pct, r.temp_bytes) for r in ok])]
 

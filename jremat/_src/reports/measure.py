@@ -93,7 +93,7 @@ def measure(
         or `in_shardings` of a type not accepted; `has_aux` not a bool.
       ValueError: `argnums` out of range or `runs` negative; `in_shardings` not matching the
         arguments, naming an axis its mesh lacks, or naming a mesh larger than the devices
-        (docs/design.md#sharding).
+        ([design.md#sharding](../design.md#sharding)).
 
     Examples:
       >>> import jax, jax.numpy as jnp, jremat

@@ -284,8 +284,8 @@ def trace(fn: Callable[..., Any], *args: Any, argnums: int | Sequence[int] = 0) 
 
     Returns:
       A `Graph`: values with their bytes, equations with FLOPs and the residuals their VJP
-      keeps (docs/design.md#tracing-and-the-cost-model). `jit`/`closed_call` bodies are
-      inlined.
+      keeps ([design.md#tracing-and-the-cost-model](../design.md#tracing-and-the-cost-model)).
+      `jit`/`closed_call` bodies are inlined.
 
     Raises:
       TypeError: `fn` is not callable, or an argument at `argnums` has no floating leaves.
