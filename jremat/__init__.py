@@ -17,7 +17,7 @@ from jremat._src.base.logs import log_to_stderr
 
 if TYPE_CHECKING:  # the names below, for type checkers and IDEs; at run time they load lazily
     from jremat import policies
-    from jremat._src.base.budget import parse_budget
+    from jremat._src.base.budget import BudgetLike, parse_budget
     from jremat._src.base.errors import (
         InfeasibleBudgetError,
         PlanMismatchError,
@@ -48,6 +48,7 @@ logging.getLogger(__name__).addHandler(logging.NullHandler())
 # `import jremat` (and `jremat --help`) does not import jax until a name is used.
 _EXPORTS = {
     "policies": "jremat.policies",
+    "BudgetLike": "jremat._src.base.budget",
     "parse_budget": "jremat._src.base.budget",
     "InfeasibleBudgetError": "jremat._src.base.errors",
     "PlanMismatchError": "jremat._src.base.errors",
@@ -98,6 +99,7 @@ def __dir__() -> list[str]:
 
 
 __all__ = [
+    "BudgetLike",
     "DEVICE_MEMORY_BYTES",
     "MEMORY_FIGURES",
     "UnsupportedBackendError",

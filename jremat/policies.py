@@ -92,8 +92,6 @@ def save_dots_in_size_range(min_bytes: int = 0, max_bytes: float = math.inf) -> 
     return policy
 
 
-#: Transcendental elementwise primitives: several FLOPs per element to recompute (and, on
-#: accelerators, slow special-function units), so worth saving before cheap arithmetic.
 TRANSCENDENTALS = frozenset(
     {
         "exp",
@@ -118,6 +116,9 @@ TRANSCENDENTALS = frozenset(
         "digamma",
     }
 )
+"""Names of the transcendental elementwise primitives: several FLOPs per element to
+recompute (and, on accelerators, slow special-function units), so worth saving before cheap
+arithmetic (`dots_and_transcendentals_saveable` saves them)."""
 
 
 def dots_and_transcendentals_saveable(prim: Any, *_: Any, **__: Any) -> bool:

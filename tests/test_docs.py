@@ -104,8 +104,9 @@ def _public_objects() -> dict[str, object]:
     out: dict[str, object] = {}
     for name in jremat.__all__:
         obj = getattr(jremat, name)
-        # constant tables (MEMORY_FIGURES) are documented by the string after them (griffe)
-        if not isinstance(obj, (types.ModuleType, dict)):
+        # constant tables (MEMORY_FIGURES) and type aliases (BudgetLike) are documented by the
+        # string after them (griffe)
+        if not isinstance(obj, (types.ModuleType, dict, types.UnionType)):
             out[f"jremat.{name}"] = obj
     for modname in PUBLIC_MODULES:
         module = importlib.import_module(modname)

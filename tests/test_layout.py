@@ -162,6 +162,8 @@ def test_every_public_name_resolves():
         assert obj is not None, name
         if isinstance(obj, dict):  # a constant table (MEMORY_FIGURES): data, no __module__
             assert obj and all(isinstance(k, str) for k in obj), name
+        elif isinstance(obj, types.UnionType):  # a type alias (BudgetLike): its __module__ is types
+            assert all(isinstance(t, type) for t in obj.__args__), name
         elif not isinstance(obj, types.ModuleType):  # defined in jremat, or its own module
             assert (getattr(obj, "__module__", "") or "").startswith("jremat"), (name, obj)
 

@@ -35,7 +35,15 @@ if TYPE_CHECKING:
 
 @dataclasses.dataclass
 class Workload:
-    """`loss(params, batch) -> scalar` with example `params` and `batch` (pytrees of arrays)."""
+    """`loss(params, batch) -> scalar` with example `params` and `batch` (pytrees of arrays).
+
+    Attributes:
+      name: the workload's name, one of `NAMES`.
+      loss: `loss(params, batch) -> scalar`, the function `jremat compare` plans.
+      params: example parameters (a pytree of arrays).
+      batch: an example batch (a pytree of arrays).
+      description: one line on the model at its sizes ("residual MLP, 12 layers, width 512").
+    """
 
     name: str
     loss: Callable[[Any, Any], Any]
@@ -58,10 +66,10 @@ _REGISTRY: dict[str, tuple[str, str, str]] = {
     "resnet_plain": ("plain", "resnet_plain_workload", "plain-JAX ResNet, no module paths"),
 }
 
-#: Workload names accepted by `get`, the default first.
 NAMES = tuple(_REGISTRY)
-#: Size presets every workload accepts.
+"""Workload names accepted by `get`, the default first."""
 SIZES = ("default", "tiny")
+"""Size presets every workload accepts."""
 
 
 def describe(name: str) -> str:

@@ -17,7 +17,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
-from typing import Any
+from typing import Any, TypeAlias
 
 import numpy as np
 
@@ -117,11 +117,30 @@ class Budget:
         return f"{value:,} bytes ({value / 2**20:.2f} MiB) of footprint"
 
 
+BudgetLike: TypeAlias = float | int | str | Budget
+"""What the `budget` argument of `jremat.auto`, `jremat.plan`, `jremat.plan_training`,
+`jremat.compare` and `jremat.explain` accepts ([`parse_budget`][jremat.parse_budget] reads it):
+
+* a `float` in (0, 1]: a fraction of the unrematerialized program's compiled temp bytes
+  (`0.5`);
+* an `int` > 0: a cap on the compiled footprint (argument + output - alias + temp), in bytes;
+* a `str` with a unit: a footprint cap, `"512MiB"`, `"8GB"`, `"1.5 GiB"` (KB/MB/GB/TB powers
+  of 1000; KiB/MiB/GiB/TiB, and K/M/G/T as in XLA's flags, powers of 1024);
+* `"auto"`: the device's free memory (the host's available memory on CPU), as a footprint cap;
+* `"device"` or `"0.9 device"`: that fraction of the memory of the device the program
+  compiles for, as a footprint cap;
+* a `Budget` that `jremat.parse_budget` returned, used as it is.
+
+NumPy and JAX scalars (0-d arrays) of an integer or floating dtype count as `int` and `float`.
+Anything else raises a `ValueError` naming the accepted forms.
+"""
+
+
 def _bad(budget: Any, why: str) -> ValueError:
     return ValueError(f"budget={budget!r} is invalid: {why}. Accepted: {ACCEPTED}.")
 
 
-def parse_budget(budget: Any) -> Budget:
+def parse_budget(budget: BudgetLike) -> Budget:
     """Parse a budget in any accepted form, as every planning call does.
 
     A `Budget` (already parsed) is returned as it is, so callers parse once and pass the result

@@ -6,7 +6,7 @@ from __future__ import annotations
 class InfeasibleBudgetError(ValueError):
     """The budget is below the smallest memory jremat's plans reach on this program (the
     plans it compiles whatever the budget; XLA's temp is not monotone in what a plan saves,
-    so another plan may compile a little lower: docs/troubleshooting.md).
+    so another plan may compile a little lower: [troubleshooting.md](../troubleshooting.md)).
 
     Attributes:
       budget: the budget the caller asked for, in the caller's unit.
@@ -31,4 +31,5 @@ class PlanMismatchError(ValueError):
 class UnsupportedBackendError(RuntimeError):
     """A program was compiled for a platform whose memory figures jremat cannot read (not in
     `jremat.MEMORY_FIGURES`): no plan is made on a figure that may not move with the plan.
-    Plan for CPU, GPU or TPU (docs/guides/tpu.md), or run the function without jremat."""
+    Plan for CPU, GPU or TPU ([guides/tpu.md](../guides/tpu.md)), or run the function without
+    jremat."""

@@ -85,7 +85,8 @@ MEMORY_FIGURES: dict[str, str] = {
 the figure jremat budgets, verifies and reports as "temp": platform name -> the reading.
 On CPU and GPU XLA's `temp_size_in_bytes`; on TPU, whose compiler reports 0 there, its heap
 peak less the bytes live all along. Programs compiled for any other platform raise
-`jremat.UnsupportedBackendError` (docs/guides/tpu.md#the-memory-figure)."""
+`jremat.UnsupportedBackendError`
+([guides/tpu.md#the-memory-figure](../guides/tpu.md#the-memory-figure))."""
 
 
 @dataclasses.dataclass(frozen=True)

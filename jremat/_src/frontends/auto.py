@@ -22,6 +22,7 @@ import numpy as np
 from jremat._src.base import compat as _compat
 from jremat._src.base.args import normalize_argnums
 from jremat._src.base.batching import Batching, UnsupportedBatching, batching_of
+from jremat._src.base.budget import BudgetLike
 from jremat._src.base.sharding import check_known, leaf_sharding, manual_axes, shard_args
 from jremat._src.frontends.blocks import is_disabled
 from jremat._src.frontends.cache import PlanCache
@@ -39,7 +40,7 @@ from jremat._src.trace.graph import Graph, build_graph, signature
 def auto(
     fn: Any = None,
     *,
-    budget: Any = 0.5,
+    budget: BudgetLike = 0.5,
     solver: str | None = None,
     argnums: int | Sequence[int] | None = None,
     verify: bool = True,
@@ -59,24 +60,13 @@ def auto(
 ) -> Any:
     """Rematerialize a function or a Flax module automatically under a memory budget.
 
-    Works as `jremat.auto(target, budget=...)`, `@jremat.auto(budget=...)` and `@jremat.auto`.
-    On the first call for each argument shape/dtype signature it plans (`jremat.plan`, which
-    compiles and verifies), then runs the rematerialized program; later calls with the same
-    signature reuse the plan, and a new batch size or sequence length plans again. It may be
-    called inside `jit`/`grad`/`nn.scan`/`nnx.scan`: planning uses the arguments' shapes only.
-
-    Under `jax.vmap` (per-example gradients, `jax.vmap(jax.grad(loss))`, nested vmaps, any
-    `in_axes`, unbatched arguments, `vmap(value_and_grad)`, or `grad` of a vmapped mean), the
-    plan is made on `fn`'s per-example program but chosen, verified and budgeted on the step
-    that runs: the caller's vmaps, with their batch sizes and axes (read from the arguments'
-    batch tracers), around `value_and_grad` (a vmap inside the gradient: the gradient of the
-    batch's summed loss). A fraction is then of that vmapped step's unrematerialized temp
-    bytes, and a new batch size or batch axis is a new plan. Not seen, and planned per
-    example: a vmap around a `jit` that `auto` runs inside (`jax.vmap(jax.jit(jax.grad(f)))`:
-    `jit` traces `f` at one example's shapes); a vmap inside a `shard_map` body, over sharded
-    arguments or along a ragged axis, and Flax targets called under `nn.vmap`/`nnx.vmap`/
-    `jax.vmap` (their block budget is one example's) get a `RuntimeWarning` naming the batch
-    size and what to do.
+    Wrap a loss function (or decorate a Flax block) and call it as usual, under `jax.grad`,
+    `jax.jit` or an optimizer step: on the first call for each argument shape/dtype signature
+    it plans (`jremat.plan`, which compiles and verifies), then runs the rematerialized
+    program; later calls with the same signature reuse the plan, and a new batch size or
+    sequence length plans again. Works as `jremat.auto(target, budget=...)`,
+    `@jremat.auto(budget=...)` and `@jremat.auto`. It may be called inside `jit`/`grad`/
+    `nn.scan`/`nnx.scan`: planning uses the arguments' shapes only.
 
     Targets:
       * a function returning a scalar floating-point loss (positional array arguments);
@@ -86,18 +76,28 @@ def auto(
         those of the undecorated module (`Block_0`, not `CheckpointBlock_0`);
       * an `nnx.Module` class, or a function taking NNX modules: the keywords of `nnx.remat`
         apply; RNG streams and batch-norm state advance exactly as without remat.
-    A Flax block is planned as the function (variables, inputs) -> outputs, and its budget
-    bounds what the block *keeps from its forward to its backward pass* (what accumulates over
-    a stack of blocks), measured on compiled programs: a fraction is of the unrematerialized
-    block's kept bytes, bytes cap them (see docs/design.md#flax-blocks). `init` is never
-    planned.
+    For a Flax block the budget bounds what the block keeps from its forward to its backward
+    pass (see Notes). `init` is never planned.
+
+    Examples:
+      >>> import jax, jax.numpy as jnp, jremat
+      >>> def loss(ws, x):  # a 4-layer MLP
+      ...     for w in ws:
+      ...         x = jnp.tanh(x @ w)
+      ...     return jnp.mean(x**2)
+      >>> ws, x = [jnp.full((64, 64), 0.01)] * 4, jnp.ones((128, 64))
+      >>> remat_loss = jremat.auto(loss, budget=0.9)  # 90% of the temp bytes without remat
+      >>> grads = jax.jit(jax.grad(remat_loss))(ws, x)  # plans on this first call
+      >>> [g.shape for g in grads], len(remat_loss.plans)
+      ([(64, 64), (64, 64), (64, 64), (64, 64)], 1)
 
     Args:
       fn: the target (above); None to get a decorator.
-      budget: a float in (0, 1] (fraction of the unrematerialized compiled temp bytes), an int
-        (footprint bytes), a string such as "512MiB", or "auto": the device's free memory
-        (`memory_stats()` on GPU/TPU, the host's available memory from psutil on CPU), read
-        when a signature is first planned. Default 0.5.
+      budget: a `jremat.BudgetLike`: a float in (0, 1] (fraction of the unrematerialized
+        compiled temp bytes), an int (footprint bytes), a string such as "512MiB", or "auto":
+        the device's free memory (`memory_stats()` on GPU/TPU, the host's available memory
+        from psutil on CPU), read when a signature is first planned. Default 0.5. Under
+        `jax.vmap` and on sharded arguments, see Notes for what a fraction is of.
       solver: the planner (see `jremat.plan`); None (default) uses `jremat.plan`'s default.
       argnums: the differentiated arguments of a plain loss function, as in `jax.grad`.
         None (default): the arguments the caller differentiates (those `jax.grad`/`jax.vjp`/
@@ -119,30 +119,21 @@ def auto(
       static_argnums: Flax targets: positions of static (hashable, specialised-on) arguments,
         counted as `nn.remat`/`nnx.remat` count them: for a module or method, `self` is 0.
         Bool, int and string arguments are static without it. A plain loss function needs
-        none: a positional bool, Python int, string or other non-array argument (the caller's own
-        `jax.jit(..., static_argnums=...)`) is closed over and planned per value.
+        none: a positional bool, Python int, string or other non-array argument (the caller's
+        own `jax.jit(..., static_argnums=...)`) is closed over and planned per value.
       static_argnames: Flax targets: names of static arguments (honoured, unlike in
         `jax.checkpoint`, which ignores them; names and positions complete each other).
       methods: linen/NNX classes: the methods to transform (default `["__call__"]`).
       variables: linen: the variable collections lifted (as `nn.remat`; default all).
       rngs: linen: the PRNG sequences lifted (as `nn.remat`; default all).
-      plan_dir: a folder for saved plans: each plan is written there as JSON, keyed by a
-        stable hash of the signature, shardings, budget, solver, program fingerprint, backend
-        and jax/jremat versions, and loaded instead of solved when a later run meets the same
-        key (the wrapper's `plan_cache`). None (default): `$JREMAT_PLAN_CACHE`, else
+      plan_dir: a folder for saved plans, loaded instead of solved when a later run meets the
+        same key (see Notes). None (default): `$JREMAT_PLAN_CACHE`, else
         `~/.cache/jremat/plans` (under `$XDG_CACHE_HOME` when set); False, or
-        `JREMAT_PLAN_CACHE=0`: no plans on disk (docs/design.md#flax-blocks, "The plan cache").
+        `JREMAT_PLAN_CACHE=0`: no plans on disk.
       in_shardings: plain loss functions: the shardings the arguments run under, as in
         `jax.jit` (a `NamedSharding`/`PartitionSpec` for all, or a tuple of pytree prefixes,
-        one per argument). Needed when `fn` is called inside `jax.jit` in JAX's default (Auto)
-        sharding mode on more than one device, where the tracers do not say how they are
-        sharded: without it the first call raises a ValueError rather than plan for a guess
-        (`PartitionSpec()` states "not sharded"). Sharded concrete arrays (also under
-        `jax.grad` without jit) and explicit-mode tracers (`jax.sharding.AxisType.Explicit`)
-        carry theirs.
-        Budgets are then per device: a fraction is of the unrematerialized per-device temp
-        bytes, bytes cap one device's footprint. Inside a `shard_map` body nothing is needed:
-        the body's values are per device already.
+        one per argument). Needed inside `jax.jit` on more than one device in JAX's default
+        (Auto) sharding mode (see Notes); `PartitionSpec()` states "not sharded".
       mesh: the mesh `PartitionSpec`s in `in_shardings` refer to: a `jax.sharding.Mesh` (or
         `AbstractMesh`), or None (default: `jax.set_mesh`'s). As in `jremat.plan`, it shards
         nothing by itself (a `RuntimeWarning` at the first call says so when nothing refers
@@ -187,6 +178,41 @@ def auto(
       TypeError: at a call with a non-array argument that is unhashable, or at `argnums`;
         at the first call of a signature, when `fn` does not return a scalar float loss (with
         `has_aux`, a pair whose first element is one).
+
+    Notes:
+      **Under `jax.vmap`** (per-example gradients, `jax.vmap(jax.grad(loss))`, nested vmaps,
+      any `in_axes`, unbatched arguments, `vmap(value_and_grad)`, or `grad` of a vmapped
+      mean), the plan is made on `fn`'s per-example program but chosen, verified and budgeted
+      on the step that runs: the caller's vmaps, with their batch sizes and axes (read from
+      the arguments' batch tracers), around `value_and_grad` (a vmap inside the gradient: the
+      gradient of the batch's summed loss). A fraction is then of that vmapped step's
+      unrematerialized temp bytes, and a new batch size or batch axis is a new plan. Not
+      seen, and planned per example: a vmap around a `jit` that `auto` runs inside
+      (`jax.vmap(jax.jit(jax.grad(f)))`: `jit` traces `f` at one example's shapes); a vmap
+      inside a `shard_map` body, over sharded arguments or along a ragged axis, and Flax
+      targets called under `nn.vmap`/`nnx.vmap`/`jax.vmap` (their block budget is one
+      example's) get a `RuntimeWarning` naming the batch size and what to do.
+
+      **Flax blocks.** A Flax block is planned as the function (variables, inputs) ->
+      outputs, and its budget bounds what the block *keeps from its forward to its backward
+      pass* (what accumulates over a stack of blocks), measured on compiled programs: a
+      fraction is of the unrematerialized block's kept bytes, bytes cap them (see
+      [design.md#flax-blocks](../design.md#flax-blocks)).
+
+      **Sharding.** `in_shardings` is needed when `fn` is called inside `jax.jit` in JAX's
+      default (Auto) sharding mode on more than one device, where the tracers do not say how
+      they are sharded: without it the first call raises a ValueError rather than plan for a
+      guess. Sharded concrete arrays (also under `jax.grad` without jit) and explicit-mode
+      tracers (`jax.sharding.AxisType.Explicit`) carry theirs. Budgets are then per device: a
+      fraction is of the unrematerialized per-device temp bytes, bytes cap one device's
+      footprint. Inside a `shard_map` body nothing is needed: the body's values are per
+      device already.
+
+      **The plan cache.** Each plan is written to `plan_dir` as JSON, keyed by a stable hash
+      of the signature, shardings, budget, solver, program fingerprint, backend and
+      jax/jremat versions, and loaded instead of solved when a later run meets the same key
+      (the wrapper's `plan_cache`; [design.md#flax-blocks](../design.md#flax-blocks), "The plan
+      cache").
     """
     options = AutoOptions(
         budget=budget,

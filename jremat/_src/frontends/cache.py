@@ -21,7 +21,7 @@ from typing import Any
 
 from jremat._src.base.args import abstract_args, check_count, check_flag
 from jremat._src.base.batching import Batching
-from jremat._src.base.budget import Budget, parse_budget
+from jremat._src.base.budget import Budget, BudgetLike, parse_budget
 from jremat._src.base.targets import args_device
 from jremat._src.plan.offload import parse_offload
 from jremat._src.plan.plan import Plan
@@ -109,7 +109,7 @@ class PlanCache:
 
     def __init__(
         self,
-        budget: Any,
+        budget: BudgetLike,
         *,
         solver: str | None = None,
         verify: bool = True,

@@ -12,6 +12,7 @@ import os
 from typing import Any
 
 from jremat import policies
+from jremat._src.base.budget import BudgetLike
 from jremat._src.trace.graph import Graph
 from jremat._src.trace.sources import source_span
 
@@ -127,9 +128,9 @@ class ScanSetting:
         steps (sqrt(L) nesting); k must divide the length (`rematerialize` raises
         ValueError otherwise).
       pieces: None, or the loop split into consecutive scans: the first `pieces[0].length`
-        iterations under `pieces[0].policy`, and so on (see docs/design.md#mixes). With pieces,
-        `policy` and `nest` stay at their defaults: each piece has its own. A list is stored
-        as a tuple.
+        iterations under `pieces[0].policy`, and so on (see [design.md#mixes](../design.md#mixes)).
+        With pieces, `policy` and `nest` stay at their defaults: each piece has its own. A list is
+        stored as a tuple.
 
     The JSON form (`to_dict`, `from_dict`; `Plan.to_json` writes it) is
     `{"policy": p, "nest": k}` or `{"pieces": [{"length": n, "policy": p, "nest": k}, ...]}`.
@@ -263,7 +264,8 @@ class Plan:
       budget: the budget asked for, as the caller gave it (JSON-able), or None.
       budget_temp_bytes: that budget translated to XLA temp bytes, or None.
       predicted_temp_bytes: the planner's calibrated prediction of compiled temp bytes; 0 when
-        the cost model cannot describe the plan (sub-layer segments, docs/design.md#refinement).
+        the cost model cannot describe the plan (sub-layer segments,
+        [design.md#refinement](../design.md#refinement)).
       recompute_flops: predicted FLOPs recomputed in the backward pass.
       offloaded_bytes: predicted bytes the plan offloads to pinned host memory (each copied to
         host in the forward pass and back in the backward pass); 0 without offload.
@@ -275,8 +277,9 @@ class Plan:
       baseline_flops: compiled FLOPs of the unrematerialized `value_and_grad`, when known.
       memory_figure: how the compiled temp bytes were read from XLA's `memory_analysis()` on
         the target (`"temp_size_in_bytes"` on CPU and GPU; on TPU `"peak_memory_in_bytes -
-        (argument + output - alias)"`, docs/guides/tpu.md#the-memory-figure); None when
-        nothing was compiled (or in plans saved before the field existed).
+        (argument + output - alias)"`,
+        [guides/tpu.md#the-memory-figure](../guides/tpu.md#the-memory-figure)); None when nothing
+        was compiled (or in plans saved before the field existed).
       target: the platform and device kind the plan was compiled for, e.g. `"cpu"` or
         `"tpu:TPU v5 lite x4"` (devices of the mesh); None when nothing was compiled.
       compiles: whole-program compiles the search that made the plan spent (each
@@ -286,16 +289,29 @@ class Plan:
       scans: per scan equation (its node index, as a string), how its loop is rematerialized:
         a `ScanSetting`, either one body policy for every iteration (with sqrt(L) nesting
         when `nest` > 1) or the loop split into consecutive `ScanPiece`s, each under its own
-        policy (a policy "keep" leaves its iterations unrematerialized); see docs/design.md#mixes.
-        In JSON each is `{"policy": p, "nest": k}` or `{"pieces": [{"length": n, "policy": p,
-        "nest": k}, ...]}` (`ScanSetting.to_dict`).
+        policy (a policy "keep" leaves its iterations unrematerialized); see
+        [design.md#mixes](../design.md#mixes). In JSON each is `{"policy": p, "nest": k}` or
+        `{"pieces": [{"length": n, "policy": p, "nest": k}, ...]}` (`ScanSetting.to_dict`).
+
+    Examples:
+      >>> import jax, jax.numpy as jnp, jremat
+      >>> def loss(ws, x):  # a 4-layer MLP
+      ...     for w in ws:
+      ...         x = jnp.tanh(x @ w)
+      ...     return jnp.mean(x**2)
+      >>> ws, x = [jnp.full((64, 64), 0.01)] * 4, jnp.ones((128, 64))
+      >>> p = jremat.plan(loss, ws, x, budget=0.9)
+      >>> p.num_nodes == sum(s.end - s.start for s in p.segments)  # segments cover the graph
+      True
+      >>> jremat.Plan.from_json(p.to_json()) == p  # saved and loaded unchanged
+      True
     """
 
     segments: list[Segment]
     fingerprint: str
     num_nodes: int
     solver: str = "chain"
-    budget: Any = None
+    budget: BudgetLike | None = None
     budget_temp_bytes: int | None = None
     predicted_temp_bytes: int = 0
     recompute_flops: float = 0.0

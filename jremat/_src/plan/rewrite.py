@@ -512,8 +512,9 @@ def rematerialize(
     for, and re-evaluates its equations: every checkpointed segment runs under
     `jax.checkpoint(policy=save_only_these_names(...), prevent_cse=prevent_cse)` with its saved
     values tagged by `jax.ad_checkpoint.checkpoint_name` (`save_and_offload_only_these_names`
-    where a segment offloads values to host memory; see docs/design.md#host-offload). Composes with
-    `jit`, `grad`, `value_and_grad` and `vmap`. A plan that checkpoints nothing returns `fn` itself.
+    where a segment offloads values to host memory; see
+    [design.md#host-offload](../design.md#host-offload)). Composes with `jit`, `grad`,
+    `value_and_grad` and `vmap`. A plan that checkpoints nothing returns `fn` itself.
 
     Args:
       fn: the function the plan was made for (positional array/pytree arguments).
@@ -537,6 +538,18 @@ def rematerialize(
         value feeds which) is not the plan's.
       ValueError, at call time: a segment saves or offloads a value id the program lacks
         (`check_value_ids`).
+
+    Examples:
+      >>> import jax, jax.numpy as jnp, jremat
+      >>> def loss(ws, x):  # a 4-layer MLP
+      ...     for w in ws:
+      ...         x = jnp.tanh(x @ w)
+      ...     return jnp.mean(x**2)
+      >>> ws, x = [jnp.full((64, 64), 0.01)] * 4, jnp.ones((128, 64))
+      >>> p = jremat.plan(loss, ws, x, budget=0.9)
+      >>> grads = jax.jit(jax.grad(jremat.rematerialize(loss, p)))(ws, x)
+      >>> all(jnp.allclose(g, r) for g, r in zip(grads, jax.grad(loss)(ws, x)))
+      True
     """
     if not isinstance(plan, Plan):
         raise TypeError(f"plan must be a jremat.Plan, got {type(plan).__name__}")

@@ -26,7 +26,7 @@ import jax.numpy as jnp
 
 from jremat import policies as _policies
 from jremat._src.base.args import check_count
-from jremat._src.base.budget import Budget, parse_budget
+from jremat._src.base.budget import Budget, BudgetLike, parse_budget
 from jremat._src.base.errors import InfeasibleBudgetError
 from jremat._src.compile.program import Program
 from jremat._src.plan.plan import Plan
@@ -88,7 +88,7 @@ class Row:
     """
 
     policy: str
-    budget: Any = None
+    budget: BudgetLike | None = None
     temp_bytes: int | None = None
     footprint_bytes: int | None = None
     flops: float | None = None
@@ -141,7 +141,7 @@ class Comparison:
     # -- queries --------------------------------------------------------------------------
     def pareto(self) -> list[Row]:
         """The compiled rows no other row beats in both temp bytes and extra FLOPs, sorted by
-        extra FLOPs (docs/design.md#reports)."""
+        extra FLOPs ([design.md#reports](../design.md#reports))."""
         ok = [r for r in self.rows if r.ok]
         return [ok[i] for i in pareto_front([(r.extra_flops_pct, r.temp_bytes) for r in ok])]
 
@@ -464,7 +464,7 @@ def compare(
     fn: Callable[..., Any],
     *args: Any,
     policies: str | Sequence[Any] | None = None,
-    budgets: Sequence[Any] | None = None,
+    budgets: Sequence[BudgetLike] | None = None,
     argnums: int | Sequence[int] = 0,
     runs: int = 0,
     solvers: Sequence[str] = ("auto",),

@@ -17,6 +17,7 @@ import jax
 from jremat import policies
 from jremat._src.base import compat as _compat
 from jremat._src.base.args import abstract_args
+from jremat._src.base.budget import BudgetLike
 from jremat._src.compile.blocks import pairing
 from jremat._src.frontends.auto import is_static_arg
 from jremat._src.frontends.blocks import disabled
@@ -79,7 +80,7 @@ class Explanation:
     rows: list[ExplainRow]
     plan: Plan
     graph: Graph
-    budget: Any
+    budget: BudgetLike
     baseline_temp_bytes: int | None
     planned_temp_bytes: int | None
 
@@ -157,7 +158,7 @@ class Explanation:
 def explain(
     target: Any,
     *args: Any,
-    budget: Any = 0.5,
+    budget: BudgetLike = 0.5,
     solver: str | None = None,
     verify: bool = True,
     max_rounds: int = 4,
@@ -202,6 +203,20 @@ def explain(
       TypeError: a Module class (pass an instance with its variables), or arguments the
         target cannot be differentiated on; the errors of `jremat.plan`
         (`InfeasibleBudgetError`, ...) unchanged.
+
+    Examples:
+      >>> import jax, jax.numpy as jnp, jremat
+      >>> def loss(ws, x):  # a 4-layer MLP
+      ...     for w in ws:
+      ...         x = jnp.tanh(x @ w)
+      ...     return jnp.mean(x**2)
+      >>> ws, x = [jnp.full((64, 64), 0.01)] * 4, jnp.ones((128, 64))
+      >>> e = jremat.explain(loss, ws, x, budget=0.9)
+      >>> e.planned_temp_bytes < e.baseline_temp_bytes
+      True
+      >>> sizes = [r.activation_bytes for r in e.rows]
+      >>> sizes == sorted(sizes, reverse=True)  # largest activations first
+      True
     """
     with disabled():
         fn, fargs, nums, model_nodes = _as_loss(

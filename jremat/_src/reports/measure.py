@@ -93,7 +93,20 @@ def measure(
         or `in_shardings` of a type not accepted; `has_aux` not a bool.
       ValueError: `argnums` out of range or `runs` negative; `in_shardings` not matching the
         arguments, naming an axis its mesh lacks, or naming a mesh larger than the devices
-        (docs/design.md#sharding).
+        ([design.md#sharding](../design.md#sharding)).
+
+    Examples:
+      >>> import jax, jax.numpy as jnp, jremat
+      >>> def loss(ws, x):  # a 4-layer MLP
+      ...     for w in ws:
+      ...         x = jnp.tanh(x @ w)
+      ...     return jnp.mean(x**2)
+      >>> ws, x = [jnp.full((64, 64), 0.01)] * 4, jnp.ones((128, 64))
+      >>> m = jremat.measure(loss, ws, x)
+      >>> m.argument_bytes  # float32: 4 weights of 64 x 64 and x of 128 x 64
+      98304
+      >>> m.footprint_bytes == m.argument_bytes + m.output_bytes - m.alias_bytes + m.temp_bytes
+      True
     """
     nums = normalize_argnums(argnums, len(args))
     if not isinstance(runs, int) or isinstance(runs, bool) or runs < 0:

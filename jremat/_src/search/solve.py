@@ -22,7 +22,7 @@ import numpy as np
 from jremat._src.base import compat as _compat
 from jremat._src.base.args import check_count, check_flag
 from jremat._src.base.batching import Batching
-from jremat._src.base.budget import Budget, parse_budget
+from jremat._src.base.budget import Budget, BudgetLike, parse_budget
 from jremat._src.base.errors import InfeasibleBudgetError
 from jremat._src.compile.program import CompileBudgetSpent, Compiled, Program
 from jremat._src.compile.xla import step_grad
@@ -90,7 +90,7 @@ def check_solver(solver: Any, *, none_ok: bool = False) -> None:
 def plan(
     fn: Callable[..., Any],
     *args: Any,
-    budget: Any,
+    budget: BudgetLike,
     solver: str = "auto",
     argnums: int | Sequence[int] = 0,
     verify: bool = True,
@@ -119,27 +119,28 @@ def plan(
       budget: a float in (0, 1] (fraction of the unrematerialized compiled temp bytes), an int
         (footprint bytes), a string such as "512MiB"/"8GB", or "auto" (see `jremat.parse_budget`);
         or a `Budget` already parsed from one (`jremat.parse_budget`), used as it is.
-      solver: the planner (docs/design.md#planners): "chain" (dynamic programming over cuts and
-        save sets; Chen et al. 2016, Rotor, Rockmate), "greedy" (cost-per-byte knapsack),
-        "dtr" (simulated Dynamic Tensor Rematerialization, Kirisame et al. 2021), "milp"
-        (exact, HiGHS; Checkmate, Jain et al. 2020), or "auto": "milp" up to
-        `AUTO_MILP_MAX_NODES` equations, "chain" above. Every solver's plans are compiled
-        and verified the same way.
+      solver: the planner ([design.md#planners](../design.md#planners)): "chain" (dynamic
+        programming over cuts and save sets; Chen et al. 2016, Rotor, Rockmate), "greedy"
+        (cost-per-byte knapsack), "dtr" (simulated Dynamic Tensor Rematerialization, Kirisame et al.
+        2021), "milp" (exact, HiGHS; Checkmate, Jain et al. 2020), or "auto": "milp" up to
+        `AUTO_MILP_MAX_NODES` equations, "chain" above. Every solver's plans are compiled and
+        verified the same way.
       argnums: differentiated arguments, as in `jax.grad`.
       verify: compile plans and keep only one whose compiled temp bytes meet the budget
         (recommended). With False the cost model (scaled to the baseline) decides and only
         the baseline is compiled; the plan may then miss the budget. Programs whose layers
-        live in a `lax.scan` try their loop body policies first (docs/design.md#verification).
+        live in a `lax.scan` try their loop body policies first
+        ([design.md#verification](../design.md#verification)).
       max_rounds: how many plans verification may compile before settling (an int >= 1).
       max_cuts: cut candidates the DP considers (an int >= 1).
-      offload: host offload (docs/design.md#host-offload). None/False (default): segments save or
-        recompute. True or a `jremat.OffloadCost(host_bandwidth=bytes/s, device_flops=FLOP/s)`:
-        a segment may also offload the values `dots_saveable` would save to pinned host
-        memory, charged 2 x bytes / host_bandwidth seconds x device_flops FLOPs; the
-        planner takes it where that is cheaper than the recompute it spares. On a backend
-        where offloading has no memory effect (CPU), the plan still compiles and runs, and
-        its device memory is verified on the plan with those values recomputed (`Plan.notes`
-        says so). The "dtr" solver never offloads.
+      offload: host offload ([design.md#host-offload](../design.md#host-offload)). None/False
+        (default): segments save or recompute. True or a `jremat.OffloadCost(host_bandwidth=bytes/s,
+        device_flops=FLOP/s)`: a segment may also offload the values `dots_saveable` would save to
+        pinned host memory, charged 2 x bytes / host_bandwidth seconds x device_flops FLOPs; the
+        planner takes it where that is cheaper than the recompute it spares. On a backend where
+        offloading has no memory effect (CPU), the plan still compiles and runs, and its device
+        memory is verified on the plan with those values recomputed (`Plan.notes` says so). The
+        "dtr" solver never offloads.
       in_shardings: the shardings the arguments run under, as `jax.jit`'s `in_shardings`: a
         `NamedSharding` or `PartitionSpec` for all arguments, or a tuple with a pytree prefix
         of them (None: as the argument carries) per positional argument. Default: what the
@@ -193,7 +194,19 @@ def plan(
       ValueError: JAX cannot build `fn`'s reverse derivative and the budget is in bytes
         (the message quotes JAX's reason and names budget=1.0).
       ValueError (sharding): `in_shardings` does not match the arguments, a `PartitionSpec`
-        without a mesh, or a mesh needing more devices than exist (docs/design.md#sharding).
+        without a mesh, or a mesh needing more devices than exist
+        ([design.md#sharding](../design.md#sharding)).
+
+    Examples:
+      >>> import jax, jax.numpy as jnp, jremat
+      >>> def loss(ws, x):  # a 4-layer MLP
+      ...     for w in ws:
+      ...         x = jnp.tanh(x @ w)
+      ...     return jnp.mean(x**2)
+      >>> ws, x = [jnp.full((64, 64), 0.01)] * 4, jnp.ones((128, 64))
+      >>> p = jremat.plan(loss, ws, x, budget=0.9)  # 90% of the temp bytes without remat
+      >>> p.measured_temp_bytes <= p.budget_temp_bytes < p.baseline_temp_bytes
+      True
     """
     spec = parse_budget(budget)
     offload_cost = parse_offload(offload)

@@ -112,7 +112,11 @@ class Graph:
       out_shape: the outputs as a pytree of `jax.ShapeDtypeStruct`s (None if not traced).
       fingerprint: a hash of the program: every value's shape and dtype and every equation's
         primitive and wiring (stable across processes); plans are tied to it.
+      consumers: for each value id, the indices of the nodes that read it, in program order
+        (each node once).
       mesh_axes: {mesh axis name: size} the values are sharded over ({} on one device).
+      memo: figures derived from the graph once and kept with it (its layer keys); not part
+        of its equality.
     """
 
     values: list[Value]
@@ -127,7 +131,6 @@ class Graph:
     consumers: list[list[int]] = dataclasses.field(default_factory=list)
     mesh_axes: dict[str, int] = dataclasses.field(default_factory=dict)
     out_shape: Any = None
-    #: figures derived from the graph once (trace/layers.py: its layer keys)
     memo: dict[str, Any] = dataclasses.field(default_factory=dict, repr=False, compare=False)
 
     @property
@@ -281,8 +284,8 @@ def trace(fn: Callable[..., Any], *args: Any, argnums: int | Sequence[int] = 0) 
 
     Returns:
       A `Graph`: values with their bytes, equations with FLOPs and the residuals their VJP
-      keeps (docs/design.md#tracing-and-the-cost-model). `jit`/`closed_call` bodies are
-      inlined.
+      keeps ([design.md#tracing-and-the-cost-model](../design.md#tracing-and-the-cost-model)).
+      `jit`/`closed_call` bodies are inlined.
 
     Raises:
       TypeError: `fn` is not callable, or an argument at `argnums` has no floating leaves.

@@ -20,7 +20,7 @@ import optax
 
 from jremat._src.base import compat as _compat
 from jremat._src.base.args import check_count, check_flag, check_scalar_output
-from jremat._src.base.budget import parse_budget
+from jremat._src.base.budget import BudgetLike, parse_budget
 from jremat._src.base.errors import InfeasibleBudgetError
 from jremat._src.base.sharding import shard_args
 from jremat._src.base.targets import args_device
@@ -177,7 +177,7 @@ def plan_training(
     params: Any,
     batch: Any,
     *,
-    budget: Any,
+    budget: BudgetLike,
     optimizer: Any = None,
     candidates: Iterable[int] | None = None,
     remat_budgets: Sequence[float] = DEFAULT_REMAT_BUDGETS,
@@ -246,6 +246,22 @@ def plan_training(
       TypeError: `loss_fn` does not return a scalar float (with `has_aux`, a pair whose first
         element is one; a pair without `has_aux` names it); `optimizer` has no
         `init`/`update`; `has_aux` not a bool.
+
+    Examples:
+      >>> import jax, jax.numpy as jnp, jremat
+      >>> def loss(ws, x):  # a 4-layer MLP
+      ...     for w in ws:
+      ...         x = jnp.tanh(x @ w)
+      ...     return jnp.mean(x**2)
+      >>> ws, x = [jnp.full((64, 64), 0.01)] * 4, jnp.ones((128, 64))
+      >>> tp = jremat.plan_training(loss, ws, x, budget="64MiB")
+      >>> tp.num_microbatches, tp.plan is None  # the step fits as written
+      (1, True)
+      >>> tp.compiled_footprint_bytes <= 64 * 2**20
+      True
+      >>> value, grads = jax.jit(tp.value_and_grad)(ws, x)
+      >>> value.shape, grads[0].shape
+      ((), (64, 64))
     """
     spec = parse_budget(budget)
     if spec.fraction is not None:
