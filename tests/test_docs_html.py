@@ -147,11 +147,11 @@ def test_every_example_has_a_page():
     included = {m for p in PAGES.values() for m in hooks.INCLUDE.findall(p.read_text())}
     examples = {
         p.relative_to(ROOT).as_posix()
-        for p in sorted((ROOT / "examples").iterdir())
+        for p in sorted((ROOT / "examples").rglob("*"))
         if p.suffix in (".py", ".ipynb")
     }
     assert included == examples, (
-        f"examples without a page under docs/examples/: {examples - included}"
+        f"examples without a page under docs/examples/ or docs/recipes/: {examples - included}"
     )
 
 
