@@ -42,9 +42,9 @@ PAGES |= {
 }
 #: characters of a shell line that fit the content column at the theme's default width
 BASH_COLUMNS = 80
-#: pages whose numbered lists interrupt a paragraph; not fixed here (design.md is another
-#: change's), listed so that no other page gains one
-ORDERED_LIST_KNOWN = {"design.md"}
+#: pages whose numbered lists may interrupt a paragraph: none (listed here, a page is not
+#: checked for numbered lists)
+ORDERED_LIST_KNOWN: set[str] = set()
 
 sys.path.insert(0, str(DOCS))
 import hooks  # noqa: E402  (docs/hooks.py: what the Examples pages include)
@@ -147,11 +147,11 @@ def test_every_example_has_a_page():
     included = {m for p in PAGES.values() for m in hooks.INCLUDE.findall(p.read_text())}
     examples = {
         p.relative_to(ROOT).as_posix()
-        for p in sorted((ROOT / "examples").iterdir())
+        for p in sorted((ROOT / "examples").rglob("*"))
         if p.suffix in (".py", ".ipynb")
     }
     assert included == examples, (
-        f"examples without a page under docs/examples/: {examples - included}"
+        f"examples without a page under docs/examples/ or docs/recipes/: {examples - included}"
     )
 
 
@@ -162,3 +162,35 @@ def test_the_checks_catch_the_defects():
     assert defects(to_html("Example:\n\n    >>> 1 + 1\n\n>>> import jax"))
     assert not defects(to_html("A fraction\nof 1 or more.\n\nThen:\n\n* one\n* two"))
     assert not defects(to_html("> `budget=0.05 is below what jremat's plans reach`"))
+
+
+#: notes of how the project was worked on (its milestones, "stops", and issue numbers), which
+#: belong to the maintainers' pages, not to a user's
+PROCESS_NOTE = re.compile(r"\bstops? \d+|\bissues? #?\d+|written, measured, off", re.I)
+
+
+def _developer_pages() -> set[str]:
+    """The pages under the navigation's "Developer notes" section."""
+    config = yaml.safe_load((ROOT / "mkdocs.yml").read_text(encoding="utf-8"))
+    (section,) = [e["Developer notes"] for e in config["nav"] if "Developer notes" in e]
+    return {p if isinstance(p, str) else next(iter(p.values())) for p in section}
+
+
+def test_user_pages_carry_no_process_notes():
+    developer = _developer_pages()
+    assert "design.md" in developer
+    found = [
+        f"{page}: {m[0]!r} in {line.strip()[:80]!r}"
+        for page, path in PAGES.items()
+        if page not in developer
+        for line in path.read_text(encoding="utf-8").splitlines()
+        for m in PROCESS_NOTE.finditer(line)
+    ]
+    assert not found, f"process notes on user-facing pages (say what it means for users): {found}"
+
+
+def test_the_process_note_check_catches_them():
+    assert PROCESS_NOTE.search("A second model (stop 44): plans")
+    assert PROCESS_NOTE.search("Planning cost (issue 29): on 2-3 CPUs")
+    assert PROCESS_NOTE.search("## The aimed search (written, measured, off)")
+    assert not PROCESS_NOTE.search("rounds that stop early; see the issue tracker")
