@@ -24,6 +24,7 @@ NOTEBOOK = REPO / "examples" / "compare_policies.ipynb"
 
 def test_notebook_executes(tmp_path, monkeypatch):
     monkeypatch.setenv("JREMAT_NOTEBOOK_SIZE", "tiny")
+    monkeypatch.setenv("JREMAT_NOTEBOOK_QUICK", "1")  # one budget per model
     monkeypatch.setenv("JAX_PLATFORMS", "cpu")
     # the kernel runs in tmp_path: import this checkout's jremat, not an installed one
     monkeypatch.setenv(

@@ -142,7 +142,8 @@ def _floor_case(name):
 def test_stated_floor_at_or_below_every_per_block_builtin_and_reached(name):
     """The smallest budget `jremat.plan` states is at or below each built-in policy applied
     per block (on each layer jremat finds, and as the user's `jax.checkpoint` at each block
-    call), both training steps compiled; a fresh call at that budget reaches it. `cond`'s
+    call), both training steps compiled; a fresh call at that budget reaches it, and so do
+    calls at larger budgets (a budget at or above a stated floor is never refused). `cond`'s
     `jit(grad)` step compiles above its `value_and_grad` step under per-layer remat (0.680
     against 0.619 of no remat, jax 0.10), so each reference is the larger of the two, as
     jremat verifies its plans."""
@@ -164,6 +165,11 @@ def test_stated_floor_at_or_below_every_per_block_builtin_and_reached(name):
     # the program that runs, both steps, within the stated budget
     ran = _both_steps_temp(jremat.rematerialize(loss, again), args)
     assert ran <= floor.smallest_reachable * prog.baseline.temp_bytes
+    # and every larger budget: not refused, whatever the search at that target compiles
+    for budget in (floor.smallest_reachable + 0.01, (floor.smallest_reachable + 1) / 2):
+        above = jremat.plan(loss, *args, budget=budget, solver=M.SOLVER)
+        ran = _both_steps_temp(jremat.rematerialize(loss, above), args)
+        assert ran <= budget * prog.baseline.temp_bytes
 
 
 def _top_k_blocks():

@@ -90,7 +90,8 @@ def run_budgeted(
     (`_aim`), `AIM_MARGIN` lower after a miss; an aim that gives a plan compiled already
     moves down (after a miss) or up (after a fit) by `AIM_STEP`, `AIM_STEPS` times at most.
     The search ends on a plan that fits within `close_enough` of `target`, on one the model
-    predicts recomputes no less than the best fitting plan, or where no new plan comes.
+    prices at no less recompute than it prices the best fitting plan, or where no new plan
+    comes.
 
     Args:
       prog: the program; its baseline is compiled.
@@ -129,8 +130,10 @@ def run_budgeted(
             plan = planner.plan(aim)
         if plan is None or prog.program_key(plan) in keys:
             break
-        if s.best[1] is not None and s.predicted_score(plan) >= s.best[0]:
-            s.log.append(f"aim {len(keys) + 1}: predicted no cheaper than the plan that fits")
+        # the model's recompute of this plan against its own of the best fitting one (XLA
+        # counts both differently, in either direction, by a similar factor)
+        if s.best[1] is not None and (model.cost(plan) or 0.0) >= (model.cost(s.best[1]) or 0.0):
+            s.log.append(f"aim {len(keys) + 1}: the model's recompute is no less than the best's")
             break
         if model.predict(plan) is None:  # nothing to aim by
             s.log.append(f"the cost model does not describe {planner.name}'s plans: not aimed")

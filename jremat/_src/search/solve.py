@@ -396,11 +396,13 @@ def _search(
             time.perf_counter() - t0,
             prog.compiles,
         )
+        if best[1] is None:
+            best = _floor_fallback(prog, planner, cal, cands)
         _, chosen, c = best
         if chosen is None:
             # what a new plan() call at the stated budget compiles again (not the target-driven
             # rounds and mixes, which a larger target steers elsewhere)
-            _raise_infeasible(spec, prog, target_free)
+            _raise_infeasible(spec, prog, [*cal.anchors, *cands.stage["floor"]])
         return _finish_full(prog, planner, cal, chosen, c, [*cal.log, *cands.log], meta, solver)
     finally:
         prog.settle()
@@ -631,14 +633,7 @@ def _choose(
         # No reference plan fits: the model's plans just above its minimum, at fixed model
         # budgets. They do not depend on the target, so the smallest budget an
         # InfeasibleBudgetError states (anchors and these) is found again when asked for.
-        for factor in FLOOR_LADDER:
-            # the model's DP: no time limit, so the same plans come back in a new call
-            _floor_plan(
-                prog,
-                found,
-                planner.model.cheapest_plan(cal.model_min * factor, planner.name),
-                f"floor: model budget {cal.model_min * factor:,.0f}",
-            )
+        _ladder(prog, planner, cal, found)
     _rounds(prog, planner, cal, found, max_rounds if fitting else min(max_rounds, 2), offload)
     bar = found.best[0]  # the mixes' bar: as without the second model's plans
     if second is not None:
@@ -650,13 +645,54 @@ def _choose(
         for p, c in found.stage[k]:
             found.offer(p, c, copied=True)
     if target < min(c.temp_bytes for _, c in [*cal.anchors, *found.stage["floor"]]):
-        # below every reference and floor plan: the segments at the peaks of the lowest
-        # compiled plans cut finer (search/refine.py); like the floor plans, they do not
-        # depend on the target, so a stated floor is found again at that budget
-        lowest = [*cal.anchors, *found.stage["floor"]]
-        for candidate in refine.floor_candidates(prog.graph, planner, lowest):
-            _floor_plan(prog, found, candidate, "peak segment split")
+        _refined(prog, planner, cal, found)
     return found
+
+
+def _ladder(prog: Program, planner: Any, cal: Calibration, found: Candidates) -> None:
+    """The floor plans at fixed model budgets (`FLOOR_LADDER` multiples of the model's
+    minimum), compiled where not yet: plans that do not depend on the target."""
+    for factor in FLOOR_LADDER:
+        # the model's DP: no time limit, so the same plans come back in a new call
+        _floor_plan(
+            prog,
+            found,
+            planner.model.cheapest_plan(cal.model_min * factor, planner.name),
+            f"floor: model budget {cal.model_min * factor:,.0f}",
+        )
+
+
+def _refined(prog: Program, planner: Any, cal: Calibration, found: Candidates) -> None:
+    """The segments at the peaks of the lowest compiled reference and floor plans cut finer
+    (search/refine.py); like the floor plans, they do not depend on the target, so a stated
+    floor is found again at that budget."""
+    lowest = [*cal.anchors, *found.stage["floor"]]
+    for candidate in refine.floor_candidates(prog.graph, planner, lowest):
+        _floor_plan(prog, found, candidate, "peak segment split")
+
+
+def _floor_fallback(
+    prog: Program, planner: Any, cal: Calibration, found: Candidates
+) -> tuple[float, Plan | None, Compiled | None]:
+    """Where no candidate held on both steps: every target-independent plan (reference,
+    floor ladder, refined; those a call below this target compiled too, whatever this
+    call's target skipped), and the cheapest that holds on both steps, so that a budget at
+    or above the floor an `InfeasibleBudgetError` states is never refused. (inf, None, None)
+    where none holds."""
+    _ladder(prog, planner, cal, found)
+    _refined(prog, planner, cal, found)
+    held = []
+    for p, c in sorted([*cal.anchors, *found.stage["floor"]], key=lambda pc: pc[1].temp_bytes):
+        if c.temp_bytes > found.target:
+            break  # sorted: no later plan fits
+        grad_temp = prog.grad_step_temp(p)
+        if grad_temp <= found.target:
+            held.append((found.score(p, c), p, c, grad_temp))
+    if not held:
+        return math.inf, None, None
+    score_, p, c, grad_temp = min(held, key=lambda t: t[0])
+    found.log.append("no candidate held on both steps: the cheapest floor plan that does")
+    return score_, copy.deepcopy(p), dataclasses.replace(c, temp_bytes=max(c.temp_bytes, grad_temp))
 
 
 def _last_resort(
