@@ -62,7 +62,8 @@ class Segment:
 DEFAULT_SCAN_POLICY = "nothing_saveable"
 #: The JSON forms of one `Plan.scans` entry, for messages.
 SCAN_FORMS = (
-    '{"policy": <a jremat.policies name, a preset or "keep">, "nest": <int >= 1>} or '
+    '{"policy": <a jremat.policies name, a preset or "keep">, "nest": <int >= 1>, '
+    '"inner": <a jremat.policies name, optional>} or '
     '{"pieces": [{"length": <int >= 1>, "policy": <name>, "nest": <int >= 1>}, ...]}'
 )
 
@@ -131,9 +132,15 @@ class ScanSetting:
         iterations under `pieces[0].policy`, and so on (see [design.md#mixes](../design.md#mixes)).
         With pieces, `policy` and `nest` stay at their defaults: each piece has its own. A list is
         stored as a tuple.
+      inner: None, or the loops nested in the body (scans among its equations) run their own
+        bodies under `jax.checkpoint(inner)` (a `jremat.policies` name or preset): each
+        iteration then holds the nested loops' carries, not their residuals, as a user's
+        `jax.checkpoint` on the step of a nested loop does. With `policy` "keep" the body
+        itself is not checkpointed. Not with `pieces`.
 
     The JSON form (`to_dict`, `from_dict`; `Plan.to_json` writes it) is
-    `{"policy": p, "nest": k}` or `{"pieces": [{"length": n, "policy": p, "nest": k}, ...]}`.
+    `{"policy": p, "nest": k}` (with `"inner": q` where set) or
+    `{"pieces": [{"length": n, "policy": p, "nest": k}, ...]}`.
 
     Raises:
       ValueError: a field of the wrong type or out of range, naming the field.
@@ -142,6 +149,7 @@ class ScanSetting:
     policy: str = DEFAULT_SCAN_POLICY
     nest: int = 1
     pieces: tuple[ScanPiece, ...] | None = None
+    inner: str | None = None
 
     def __getitem__(self, field: str) -> Any:
         """`setting["policy"]`: read access in the JSON form's terms (as when entries were
@@ -150,6 +158,13 @@ class ScanSetting:
 
     def __post_init__(self) -> None:
         where = type(self).__name__
+        if self.inner is not None:
+            _check_policy_nest(f"{where}.inner", self.inner, 1, keep=False)
+            if self.pieces is not None or (self.policy == KEEP and self.nest != 1):
+                raise ValueError(
+                    f"{where}.inner does not apply to a split loop or a kept loop nested by "
+                    f"{self.nest}; accepted forms: {SCAN_FORMS}"
+                )
         if self.pieces is None:
             _check_policy_nest(where, self.policy, self.nest)
             return
@@ -173,7 +188,8 @@ class ScanSetting:
     def to_dict(self) -> dict[str, Any]:
         """The JSON form: `{"policy": p, "nest": k}` or `{"pieces": [...]}`."""
         if self.pieces is None:
-            return {"policy": self.policy, "nest": self.nest}
+            inner = {} if self.inner is None else {"inner": self.inner}
+            return {"policy": self.policy, "nest": self.nest, **inner}
         return {"pieces": [p.to_dict() for p in self.pieces]}
 
     @classmethod
@@ -199,12 +215,12 @@ class ScanSetting:
         _check_keys(
             where,
             d,
-            {"policy", "nest"},
-            "a scan setting has the fields policy and nest, or only pieces",
+            {"policy", "nest", "inner"},
+            "a scan setting has the fields policy, nest and inner, or only pieces",
         )
         policy, nest = d.get("policy", DEFAULT_SCAN_POLICY), d.get("nest", 1)
         _check_policy_nest(where, policy, nest)
-        return cls(policy, nest)
+        return cls(policy, nest, inner=d.get("inner"))
 
     def describe(self) -> str:
         """One line for `Plan.summary`: which iterations run under which policy."""
@@ -213,7 +229,8 @@ class ScanSetting:
             return f"under {policy}" + (f" nested by {nest}" if nest > 1 else "")
 
         if self.pieces is None:
-            return "every iteration " + under(self.policy, self.nest)
+            inner = "" if self.inner is None else f", the loops inside under {self.inner}"
+            return "every iteration " + under(self.policy, self.nest) + inner
         return ", ".join(f"{p.length} iterations " + under(p.policy, p.nest) for p in self.pieces)
 
 
@@ -238,13 +255,18 @@ def _check_piece(where: str, length: Any, policy: Any, nest: Any) -> None:
     _check_policy_nest(where, policy, nest)
 
 
-def _check_policy_nest(where: str, policy: Any, nest: Any) -> None:
+def _check_policy_nest(where: str, policy: Any, nest: Any, keep: bool = True) -> None:
     if not (
         isinstance(policy, str)
-        and (policy == KEEP or policy in policies.names() or policy in policies.preset_names())
+        and (
+            (keep and policy == KEEP)
+            or policy in policies.names()
+            or policy in policies.preset_names()
+        )
     ):
-        known = sorted({*policies.names(), *policies.preset_names(), KEEP})
-        raise ValueError(f"{where}.policy: unknown policy {policy!r}; accepted: {known}")
+        known = sorted({*policies.names(), *policies.preset_names(), *([KEEP] if keep else [])})
+        field = "" if where.endswith(".inner") else ".policy"
+        raise ValueError(f"{where}{field}: unknown policy {policy!r}; accepted: {known}")
     if not _is_int(nest) or nest < 1:
         raise ValueError(
             f"{where}.nest must be an int >= 1, got {type(nest).__name__} {nest!r}; accepted "

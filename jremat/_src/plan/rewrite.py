@@ -59,7 +59,7 @@ def _eval_nodes(
         outs = (
             _compat.bind(node.eqn, invals)
             if scan is None
-            else remat_scan(node.eqn, invals, scan.policy, scan.nest, scan.pieces)
+            else remat_scan(node.eqn, invals, scan.policy, scan.nest, scan.pieces, scan.inner)
         )
         for o, val in zip(node.outputs, outs, strict=True):
             env[o] = checkpoint_name(val, tag[o]) if o in tag else val
@@ -71,6 +71,7 @@ def remat_scan(
     policy: str = "nothing_saveable",
     nest: int = 1,
     pieces: Sequence[ScanPiece] | None = None,
+    inner: str | None = None,
 ):
     """Evaluate a `scan` equation with its body under `jax.checkpoint(policy)`.
 
@@ -87,23 +88,29 @@ def remat_scan(
     checkpoint. Memory and recompute then lie between the pure policies, in proportion to
     the lengths.
 
+    With `inner`, the scans among the body's equations run their own bodies under
+    `jax.checkpoint(inner)` (`ScanSetting.inner`); with `policy` "keep" the body itself is not
+    checkpointed then.
+
     Raises:
       ValueError: when `nest` > 1 does not divide the length (it fell back to an unnested
         loop silently before).
     """
     if pieces:
         return _remat_scan_pieces(eqn, invals, pieces)
-    if policy == KEEP:  # a piece of a split loop left as it was
+    if policy == KEEP and inner is None:  # a piece of a split loop left as it was
         return _compat.bind(eqn, invals)
     from jax.extend.core import ClosedJaxpr, jaxpr_as_fun
 
     body = eqn.params["jaxpr"]
     if not hasattr(body, "consts"):
         body = ClosedJaxpr(body, [])
-    pol = real_residuals_only(
-        policies.get(policy) if policy in policies.names() else policies.preset(policy).policy
-    )
-    body_fn = jax.checkpoint(jaxpr_as_fun(body), policy=pol, prevent_cse=False)
+    body_fn = jaxpr_as_fun(body) if inner is None else _with_inner_loops(body, inner)
+    if policy != KEEP:
+        pol = real_residuals_only(
+            policies.get(policy) if policy in policies.names() else policies.preset(policy).policy
+        )
+        body_fn = jax.checkpoint(body_fn, policy=pol, prevent_cse=False)
     n_consts, n_carry = _compat.scan_partition(eqn)
     consts, carry, xs = (
         invals[:n_consts],
@@ -142,6 +149,28 @@ def remat_scan(
     chunks = [x.reshape((n_outer, nest) + x.shape[1:]) for x in xs]
     carry_out, ys = jax.lax.scan(outer_body, carry, chunks, length=n_outer, reverse=reverse)
     return [*carry_out, *[y.reshape((length,) + y.shape[2:]) for y in ys]]
+
+
+def _with_inner_loops(body: Any, inner: str) -> Callable[..., list[Any]]:
+    """A closed scan body as a function whose own scan equations run their bodies under
+    `jax.checkpoint(inner)` (`remat_scan`); every other equation as it was."""
+    from jax.extend.core import Literal
+
+    jaxpr, consts = _compat.closed(body)
+
+    def run(*args: Any) -> list[Any]:
+        env: dict[Any, Any] = dict(zip(jaxpr.constvars, consts, strict=True))
+        env.update(zip(jaxpr.invars, args, strict=True))
+        for eqn in jaxpr.eqns:
+            invals = [x.val if isinstance(x, Literal) else env[x] for x in eqn.invars]
+            if eqn.primitive.name == "scan":
+                outs = remat_scan(eqn, invals, inner)
+            else:
+                outs = _compat.bind(eqn, invals)
+            env.update(zip(eqn.outvars, outs, strict=True))
+        return [x.val if isinstance(x, Literal) else env[x] for x in jaxpr.outvars]
+
+    return run
 
 
 def _remat_scan_pieces(eqn: Any, invals: list[Any], pieces: Sequence[ScanPiece]) -> list[Any]:
