@@ -100,7 +100,7 @@ def main() -> None:
         cast = (lambda v: bool(int(v))) if isinstance(current, bool) else type(current)
         setattr(module, name, cast(value))
     if a.full_search:
-        solve_module.BEST_FIRST_LOOPS = solve_module.BEST_FIRST_UNROLLED = False
+        solve_module.BEST_FIRST_LOOPS = False
         for name in ("NO_RECOMPUTE_FIRST", "FEW_COMPILES_UNROLLED"):
             if hasattr(solve_module, name):
                 setattr(solve_module, name, False)

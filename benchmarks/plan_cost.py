@@ -87,7 +87,7 @@ def _search_mode() -> None:
     if os.environ.get(FULL_SEARCH_ENV):
         from jremat._src.search import solve
 
-        solve.BEST_FIRST_LOOPS = solve.BEST_FIRST_UNROLLED = solve.NO_RECOMPUTE_FIRST = False
+        solve.BEST_FIRST_LOOPS = solve.NO_RECOMPUTE_FIRST = False
 
 
 FULL_SEARCH_ENV = "JREMAT_BENCH_FULL_SEARCH"

@@ -150,7 +150,7 @@ def run_budgeted(
 
 
 #: Where the baseline compiles to more than this multiple of its modelled bytes, or less than
-#: its inverse, `run_aimed` compiles nothing and the full search follows: the zoo's residual
+#: its inverse, `run_budgeted` compiles nothing and the full search follows: the zoo's residual
 #: MLP, 3.2x (its plans compiled 3.5x below the fitted model); GPT-2 1.21x, the test suite's
 #: 4-layer decoder 0.81x.
 FIT_SCALE_LIMIT = 2.0
@@ -172,7 +172,7 @@ AIM_STEPS = 5
 def _aim(model: Any, compiled: list[tuple[Plan, Compiled]], target: float) -> float:
     """The model budget expected to compile to `target` temp bytes: interpolated through the
     compiled (temp, modelled bytes) of the plans the model describes (modelled bytes made
-    non-decreasing), proportional to the nearest one outside them."""
+    non-decreasing); outside them, in proportion to the nearest one."""
     pts = sorted(
         {(float(c.temp_bytes), m) for p, c in compiled if (m := model.predict(p)) is not None}
     )
@@ -180,6 +180,8 @@ def _aim(model: Any, compiled: list[tuple[Plan, Compiled]], target: float) -> fl
     ys = np.maximum.accumulate(np.array([y for _, y in pts]))
     if target <= xs[0]:
         return float(ys[0] * target / max(xs[0], 1.0))
+    if target >= xs[-1]:  # every plan compiled below it: as far above the highest
+        return float(ys[-1] * target / max(xs[-1], 1.0))
     return float(np.interp(target, xs, ys))
 
 
