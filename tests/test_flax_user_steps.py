@@ -6,9 +6,9 @@ dropout key, `Module.apply(..., rngs={"dropout": key})`, an optax update of a `T
 and an NNX model whose layers are stacked with `nnx.vmap` and run with `nnx.scan`. Each check
 compiles the user's own `jax.jit(jax.grad(loss))` and reads its temp bytes:
 
-* at budgets 0.7, 0.5, 0.3 that step holds at most budget x the same step without remat, or
+* at budgets 0.5 and 0.3 that step holds at most budget x the same step without remat, or
   `InfeasibleBudgetError` is raised whose `smallest_reachable`, planned again, holds there;
-* a tighter budget never compiles the user's step higher (0.7 -> 0.5 -> 0.3);
+* a tighter budget never compiles the user's step higher (0.5 -> 0.3);
 * the gradients are those without remat; so is the linen train step's update, whose compiled
   temp is at most the grad step's budget plus what the update adds to the step without remat
   (the budget bounds the grad step; the donated train step also keeps the gradients and the
@@ -35,7 +35,7 @@ import jremat
 from jremat._src.compile.xla import MemoryFigures
 
 VOCAB, D, HEADS, LAYERS, LENGTH, BATCH = 32, 16, 2, 2, 8, 2
-BUDGETS = (0.7, 0.5, 0.3)
+BUDGETS = (0.5, 0.3)  # 0.7 held too, measured; two budgets keep the suite short
 PAD = 2  # padded positions at the end of each sequence (token 0), weighted out of the loss
 
 
@@ -213,8 +213,8 @@ def test_linen_block_class_gradients_and_monotone_step(linen_setup):
             got = temp_bytes(step, params, batch, key)
         temps.append(got)
         chex.assert_trees_all_close(step(params, batch, key), want, rtol=1e-5, atol=1e-6)
-    assert temps[1] <= temps[0] <= base, (temps, base)
-    if temps[2] > temps[1]:
+    assert temps[0] <= base, (temps, base)
+    if temps[1] > temps[0]:
         # measured (jax 0.12, this config): [34304, 25536, 26624] of 60928: 0.3 is refused,
         # and its smallest_reachable, a block keeping fewer bytes than at 0.5, compiles the
         # user's step higher; a block's budget is measured on the block's own programs, not on
@@ -287,7 +287,9 @@ def nnx_grad_step(wrap, graphdef, of_module):
     return jax.jit(step)
 
 
-@pytest.mark.parametrize("of_module", [False, True], ids=["loss_of_params", "loss_of_module"])
+# the loss of the parameters (Flax's gemma example's form); the loss of the module plans the
+# same program (`flax_nnx._run_loss`; measured equal at 0.7 / 0.5 / 0.3)
+@pytest.mark.parametrize("of_module", [False], ids=["loss_of_params"])
 def test_nnx_scan_over_layers_loss_holds_on_the_users_grad_step(of_module):
     t = tokens()
     batch = {"inputs": jnp.asarray(t[:, :-1]), "targets": jnp.asarray(t[:, 1:])}
