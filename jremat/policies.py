@@ -66,6 +66,22 @@ def save_if_flops_per_byte_above(threshold: float = 16.0) -> Policy:
     A dot contracting over K elements costs 2K FLOPs per output element, so with f32 outputs
     the rule saves dots with K > 2 x threshold. Elementwise results (about 1 FLOP per 4 bytes)
     are always recomputed. Raises ValueError for a negative or non-finite threshold.
+
+    Examples:
+      A 4 x 8 @ 8 x 8 matmul: K = 8, so 16 FLOPs per 4-byte output element (4 per byte):
+
+      >>> import jax, jax.numpy as jnp
+      >>> from jremat import policies
+      >>> jaxpr = jax.make_jaxpr(lambda w, x: jnp.tanh(x @ w))(jnp.ones((8, 8)), jnp.ones((4, 8)))
+      >>> dot, tanh = jaxpr.eqns  # jax.checkpoint asks the policy about each equation
+      >>> def saves(policy, eqn):
+      ...     return policy(eqn.primitive, *(v.aval for v in eqn.invars), **eqn.params)
+      >>> saves(policies.save_if_flops_per_byte_above(1.0), dot)
+      True
+      >>> saves(policies.save_if_flops_per_byte_above(16.0), dot)
+      False
+      >>> saves(policies.save_if_flops_per_byte_above(1.0), tanh)  # elementwise: recomputed
+      False
     """
     if not (isinstance(threshold, (int, float)) and math.isfinite(threshold) and threshold >= 0):
         raise ValueError(f"threshold must be a finite number >= 0 (FLOPs/byte), got {threshold!r}")
@@ -81,6 +97,22 @@ def save_dots_in_size_range(min_bytes: int = 0, max_bytes: float = math.inf) -> 
     """Save matmul/conv results of `min_bytes <= size <= max_bytes` bytes; recompute the rest.
 
     Raises ValueError when the range is empty or negative.
+
+    Examples:
+      A 4 x 8 @ 8 x 8 matmul's float32 result is 128 bytes:
+
+      >>> import jax, jax.numpy as jnp
+      >>> from jremat import policies
+      >>> jaxpr = jax.make_jaxpr(lambda w, x: jnp.tanh(x @ w))(jnp.ones((8, 8)), jnp.ones((4, 8)))
+      >>> dot, tanh = jaxpr.eqns  # jax.checkpoint asks the policy about each equation
+      >>> def saves(policy, eqn):
+      ...     return policy(eqn.primitive, *(v.aval for v in eqn.invars), **eqn.params)
+      >>> saves(policies.save_dots_in_size_range(max_bytes=1024), dot)
+      True
+      >>> saves(policies.save_dots_in_size_range(min_bytes=256), dot)
+      False
+      >>> saves(policies.save_dots_in_size_range(), tanh)  # not a matmul
+      False
     """
     if not (0 <= min_bytes <= max_bytes):
         raise ValueError(f"need 0 <= min_bytes <= max_bytes, got {min_bytes!r}, {max_bytes!r}")
@@ -127,6 +159,14 @@ def dots_and_transcendentals_saveable(prim: Any, *_: Any, **__: Any) -> bool:
 
     Between `dots_saveable` and `everything_saveable`: it keeps softmax's `exp` and GELU's
     `tanh`/`erf` too, so the backward pass recomputes only additions and multiplications.
+
+    Examples:
+      >>> import jax, jax.numpy as jnp
+      >>> from jremat import policies
+      >>> jaxpr = jax.make_jaxpr(lambda x: jnp.tanh(x) * 2.0)(jnp.ones((4, 8)))
+      >>> [(e.primitive.name, policies.dots_and_transcendentals_saveable(e.primitive))
+      ...  for e in jaxpr.eqns]
+      [('tanh', True), ('mul', False)]
     """
     name = getattr(prim, "name", str(prim))
     return name in _DOTS or name in TRANSCENDENTALS
@@ -149,7 +189,14 @@ _FACTORIES = {
 
 
 def names() -> list[str]:
-    """Policy names accepted by `get` (and by `Segment.policy`)."""
+    """Policy names accepted by `get` (and by `Segment.policy`).
+
+    Examples:
+      >>> from jremat import policies
+      >>> names = policies.names()
+      >>> "dots_saveable" in names, "save_dots_in_size_range" in names
+      (True, True)
+    """
     return sorted(_BUILTIN) + sorted(_FACTORIES)
 
 
@@ -159,6 +206,16 @@ def get(name: str, **params: Any) -> Policy:
     Raises:
       ValueError: unknown name (the message lists the accepted names), including
         `save_anything_except_these_names`, which is broken upstream.
+
+    Examples:
+      >>> import jax, jax.numpy as jnp
+      >>> from jremat import policies
+      >>> policies.get("dots_saveable") is jax.checkpoint_policies.dots_saveable
+      True
+      >>> small = policies.get("save_dots_in_size_range", max_bytes=1 << 20)  # parameterised
+      >>> step = jax.checkpoint(lambda w, x: jnp.sum(jnp.tanh(x @ w)), policy=small)
+      >>> jax.grad(step)(jnp.ones((8, 8)), jnp.ones((4, 8))).shape
+      (8, 8)
     """
     if name in _BUILTIN and not params:
         return _BUILTIN[name]
@@ -182,6 +239,18 @@ class Preset:
       policy_name, params: the policy (`get(policy_name, **params)`).
       segmentation: where checkpoint regions go: "layers" (one per layer, as `nn.remat` on each
         block), "sqrt_n" (about sqrt(L) groups of layers, Chen et al. 2016) or "none".
+
+    Examples:
+      `preset` loads one; its `policy` goes to `jax.checkpoint`:
+
+      >>> import jax, jax.numpy as jnp
+      >>> from jremat import policies
+      >>> p = policies.preset("save_small_dots")
+      >>> p.policy_name, p.params, p.segmentation
+      ('save_dots_in_size_range', {'min_bytes': 0, 'max_bytes': 4194304}, 'layers')
+      >>> step = jax.checkpoint(lambda w, x: jnp.sum(jnp.tanh(x @ w)), policy=p.policy)
+      >>> jax.grad(step)(jnp.ones((8, 8)), jnp.ones((4, 8))).shape
+      (8, 8)
     """
 
     name: str
@@ -212,7 +281,14 @@ def _catalogue_files() -> dict[str, Any]:
 
 
 def preset_names() -> list[str]:
-    """Names of the presets in the shipped catalogue."""
+    """Names of the presets in the shipped catalogue.
+
+    Examples:
+      >>> from jremat import policies
+      >>> names = policies.preset_names()
+      >>> "sqrt_n" in names, names == sorted(names)
+      (True, True)
+    """
     return sorted(_catalogue_files())
 
 
@@ -220,6 +296,12 @@ def preset(name: str) -> Preset:
     """Load the preset `name` from the catalogue (the `policies/` folder).
 
     Raises ValueError for an unknown name, listing the available ones.
+
+    Examples:
+      >>> from jremat import policies
+      >>> p = policies.preset("sqrt_n")
+      >>> p.name, p.policy_name, p.segmentation
+      ('sqrt_n', 'nothing_saveable', 'sqrt_n')
     """
     files = _catalogue_files()
     if name not in files:

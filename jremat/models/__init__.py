@@ -73,13 +73,30 @@ SIZES = ("default", "tiny")
 
 
 def describe(name: str) -> str:
-    """One line saying what workload `name` is. Raises ValueError for an unknown name."""
+    """One line saying what workload `name` is. Raises ValueError for an unknown name.
+
+    Examples:
+      >>> import jremat.models
+      >>> jremat.models.describe("mlp")
+      'plain-JAX residual MLP chain'
+      >>> jremat.models.describe("gpt2")  # nothing is imported or built
+      'Hugging Face Flax GPT-2 decoder on byte-level text'
+    """
     _check_name(name)
     return _REGISTRY[name][2]
 
 
 def sizes(name: str) -> dict[str, dict[str, Any]]:
-    """The keyword arguments behind each size preset of workload `name`."""
+    """The keyword arguments behind each size preset of workload `name`.
+
+    Examples:
+      >>> import jremat.models
+      >>> presets = jremat.models.sizes("mlp")
+      >>> sorted(presets) == sorted(jremat.models.SIZES)
+      True
+      >>> presets["tiny"]
+      {'depth': 4, 'width': 32, 'batch_size': 64}
+    """
     _check_name(name)
     module = importlib.import_module(f"{__name__}.{_REGISTRY[name][0]}")
     return module.SIZES[name]
@@ -101,6 +118,18 @@ def get(name: str, size: str = "default", **kw: Any) -> Workload:
       ImportError: the model's package is missing; the message gives the install command
         (`pip install "jremat[zoo]"`).
       TypeError: a keyword the builder does not take.
+
+    Examples:
+      The plain-JAX residual MLP, smaller than its "tiny" preset:
+
+      >>> import jax, jremat.models
+      >>> w = jremat.models.get("mlp", "tiny", depth=2, width=8, batch_size=4)
+      >>> w.description, w.batch.shape
+      ('residual MLP, 2 layers, width 8', (4, 8))
+      >>> [jax.tree.map(lambda a: a.shape, layer) for layer in w.params]
+      [{'w1': (8, 16), 'w2': (16, 8)}, {'w1': (8, 16), 'w2': (16, 8)}]
+      >>> jax.eval_shape(w.loss, w.params, w.batch).shape  # a scalar loss, as jremat plans
+      ()
     """
     _check_name(name)
     if size not in SIZES:
@@ -122,6 +151,12 @@ def init_key(seed: int = 0) -> jax.Array:
     default threefry keys costs seconds of XLA:CPU compilation per parameter shape on
     jax 0.10 (9 s against 2 s for five conv kernels, measured), which dominated building a
     model. The weights are random either way; memory and FLOPs depend only on shapes.
+
+    Examples:
+      >>> import jremat.models
+      >>> key = jremat.models.init_key(0)  # pass it to jax.random.normal, split, ...
+      >>> str(key.dtype), key.shape
+      ('key<rbg>', ())
     """
     import jax  # here, not at the top: `jremat --help` lists the models without jax
 
@@ -137,7 +172,17 @@ def init_hf(model: Any) -> Any:
 
 
 def require(package: str, model: str) -> Any:
-    """Import `package` for workload `model`, or raise ImportError naming the extra to install."""
+    """Import `package` for workload `model`, or raise ImportError naming the extra to install.
+
+    Examples:
+      >>> import jremat.models
+      >>> jremat.models.require("math", "mlp").__name__
+      'math'
+      >>> jremat.models.require("no_such_package", "gpt2")
+      Traceback (most recent call last):
+      ...
+      ImportError: the gpt2 workload needs the 'no_such_package' package: pip install "jremat[zoo]"
+    """
     try:
         return importlib.import_module(package)
     except ImportError as e:

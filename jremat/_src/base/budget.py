@@ -165,6 +165,15 @@ def parse_budget(budget: BudgetLike) -> Budget:
       ValueError: budget <= 0, a float > 1, NaN/inf, a bool, a complex number, an array that
         is not 0-d, a non-numeric value, or an unparsable string; the message names the
         accepted forms.
+
+    Examples:
+      >>> import jremat
+      >>> jremat.parse_budget(0.5).fraction
+      0.5
+      >>> [jremat.parse_budget(b).footprint_bytes for b in ("512MiB", "1.5 GB", 4096)]
+      [536870912, 1500000000, 4096]
+      >>> jremat.parse_budget("0.9 device").device_fraction
+      0.9
     """
     if isinstance(budget, Budget):
         return budget

@@ -42,6 +42,18 @@ def log_to_stderr(level: int | str = logging.INFO) -> logging.Handler:
 
     Raises:
       ValueError: an unknown level name.
+
+    Examples:
+      >>> import logging, jremat
+      >>> logger = logging.getLogger("jremat")
+      >>> level_before = logger.level
+      >>> handler = jremat.log_to_stderr("DEBUG")
+      >>> handler.level == logging.DEBUG
+      True
+      >>> jremat.log_to_stderr() is handler, handler.level == logging.INFO  # the same handler
+      (True, True)
+      >>> logger.removeHandler(handler)  # quiet again
+      >>> logger.setLevel(level_before)
     """
     logger = logging.getLogger("jremat")
     if isinstance(level, str):

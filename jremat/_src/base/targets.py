@@ -130,6 +130,12 @@ def target_mesh(
       >>> x = jax.ShapeDtypeStruct((8, 4), jnp.float32, sharding=NamedSharding(mesh, P()))
       >>> x.sharding.mesh.axis_names
       ('data',)
+
+      A TPU target needs libtpu (`pip install "jax[tpu]"`), which not every JAX install has,
+      so the tests skip this line:
+
+      >>> jremat.target_mesh("tpu:v5e:2x2").devices.shape  # doctest: +SKIP
+      (4,)
     """
     from jax.sharding import Mesh
 

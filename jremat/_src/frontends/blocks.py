@@ -28,7 +28,16 @@ def disabled() -> Iterator[None]:
     """Within this context, `jremat.auto`-decorated functions and Flax modules run without
     rematerialization and without planning (their code is traced and evaluated as is).
     `jremat.explain` uses it to analyse a model as written; use it to measure a model with and
-    without the decorator."""
+    without the decorator.
+
+    Examples:
+      >>> import jax, jax.numpy as jnp, jremat
+      >>> loss = jremat.auto(lambda w, x: jnp.sum(jnp.tanh(x @ w) ** 2), budget=0.5)
+      >>> with jremat.disabled():
+      ...     g = jax.grad(loss)(jnp.ones((8, 8)), jnp.ones((4, 8)))
+      >>> g.shape, len(loss.plans)  # the gradient, and no plan made
+      ((8, 8), 0)
+    """
     token = _DISABLED.set(True)
     try:
         yield

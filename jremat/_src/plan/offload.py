@@ -44,6 +44,14 @@ class OffloadCost:
     Raises:
       ValueError: a figure that is not a finite real number > 0 (a string, a bool, a complex
         number, an array with more than one element, NaN, infinity, zero or less).
+
+    Examples:
+      >>> import jremat
+      >>> cost = jremat.OffloadCost(host_bandwidth=20e9, device_flops=1e14)
+      >>> cost.flops_per_byte  # 2 x 1e14 / 20e9
+      10000.0
+      >>> cost.transfer_seconds(1e9), cost.transfer_flops(1e9)  # 1 GB to host and back
+      (0.1, 10000000000000.0)
     """
 
     host_bandwidth: float = 25e9

@@ -40,6 +40,12 @@ class Segment:
       transient_bytes: predicted bytes live while its backward pass runs (recompute included).
       recompute_flops: predicted FLOPs its backward pass recomputes.
       source: layer name and first .. last source line of its equations (for `summary`).
+
+    Examples:
+      >>> import jremat
+      >>> seg = jremat.Segment(0, 4, policy="dots_saveable")
+      >>> seg.checkpointed, jremat.Segment(4, 6, policy="keep").checkpointed
+      (True, False)
     """
 
     start: int
@@ -80,6 +86,14 @@ class ScanPiece:
 
     Raises:
       ValueError: a field of the wrong type or out of range, naming the field.
+
+    Examples:
+      >>> import jremat
+      >>> piece = jremat.ScanPiece(6, "dots_saveable")
+      >>> piece.to_dict()
+      {'length': 6, 'policy': 'dots_saveable', 'nest': 1}
+      >>> jremat.ScanPiece.from_dict({"length": 6, "policy": "dots_saveable"}) == piece
+      True
     """
 
     length: int
@@ -144,6 +158,18 @@ class ScanSetting:
 
     Raises:
       ValueError: a field of the wrong type or out of range, naming the field.
+
+    Examples:
+      A loop of 8 iterations, nested by 4, or split into 2 kept and 6 checkpointed iterations:
+
+      >>> import jremat
+      >>> jremat.ScanSetting("nothing_saveable", nest=4).to_dict()
+      {'policy': 'nothing_saveable', 'nest': 4}
+      >>> split = jremat.ScanSetting(pieces=[jremat.ScanPiece(2, "keep"), jremat.ScanPiece(6)])
+      >>> split.describe()
+      '2 iterations under keep, 6 iterations under nothing_saveable'
+      >>> jremat.ScanSetting.from_dict(split.to_dict()) == split
+      True
     """
 
     policy: str = DEFAULT_SCAN_POLICY

@@ -132,6 +132,23 @@ class Comparison:
       rows: one `Row` per policy (and per budget for planners), the "no remat" row first.
       description: what was compared (the model), used as the plot's and table's caption.
       baseline_temp_bytes: temp bytes of the unrematerialized step.
+
+    Examples:
+      `jremat.compare` returns one; `from_json` and `from_csv` read one back:
+
+      >>> import json, jremat
+      >>> rows = [
+      ...     {"policy": "no remat", "temp_bytes": 4096, "extra_flops_pct": 0.0},
+      ...     {"policy": "dots_saveable", "temp_bytes": 2048, "extra_flops_pct": 12.5},
+      ...     {"policy": "nothing_saveable", "temp_bytes": 3072, "extra_flops_pct": 30.0},
+      ... ]
+      >>> c = jremat.Comparison.from_json(json.dumps(rows), "a 2-layer MLP")
+      >>> c.baseline_temp_bytes  # the "no remat" row's
+      4096
+      >>> [r.policy for r in c.pareto()]  # nothing_saveable: more bytes and FLOPs than dots
+      ['no remat', 'dots_saveable']
+      >>> jremat.Comparison.from_csv(c.to_csv()).rows == c.rows  # a CSV round trip
+      True
     """
 
     rows: list[Row]

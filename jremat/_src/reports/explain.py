@@ -75,6 +75,23 @@ class Explanation:
       baseline_temp_bytes: compiled temp bytes without remat (None with verify=False).
       planned_temp_bytes: compiled temp bytes under the plan (None when not compiled).
       budget: the budget asked for.
+
+    Examples:
+      `jremat.explain` returns one; at budget 1.0 the plan keeps every activation:
+
+      >>> import jax.numpy as jnp, jremat
+      >>> def loss(ws, x):
+      ...     for w in ws:
+      ...         x = jnp.tanh(x @ w)
+      ...     return jnp.mean(x**2)
+      >>> e = jremat.explain(loss, [jnp.ones((8, 8))] * 3, jnp.ones((4, 8)), budget=1.0)
+      >>> e.total_recompute_flops, e.total_flops == e.graph.total_flops
+      (0.0, True)
+      >>> row = e.rows[0]  # an ExplainRow: a layer's activations, largest first
+      >>> row.policy, row.activation_bytes, row.saved  # tanh(x @ w) of 4 x 8 floats
+      ('keep', 128, ['float32[4, 8]'])
+      >>> e.to_dicts()[0]["saved_bytes"]
+      128
     """
 
     rows: list[ExplainRow]

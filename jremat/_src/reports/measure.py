@@ -40,6 +40,17 @@ class Measurement:
       step_seconds: median wall seconds of one executed step over `runs`, or None.
       argument_bytes, output_bytes, alias_bytes: the other terms of the footprint.
       num_devices: devices the step is partitioned over; every byte figure is per device.
+
+    Examples:
+      `jremat.measure` returns one (shapes are enough where the step is not run):
+
+      >>> import jax, jax.numpy as jnp, jremat
+      >>> w, x = (jax.ShapeDtypeStruct(s, jnp.float32) for s in [(8, 8), (4, 8)])
+      >>> m = jremat.measure(lambda w, x: jnp.sum(jnp.tanh(x @ w)), w, x)
+      >>> m.argument_bytes  # w and x, float32
+      384
+      >>> m.step_seconds is None, m.num_devices  # runs=0: compiled, not run
+      (True, 1)
     """
 
     temp_bytes: int

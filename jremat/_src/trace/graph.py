@@ -117,6 +117,18 @@ class Graph:
       mesh_axes: {mesh axis name: size} the values are sharded over ({} on one device).
       memo: figures derived from the graph once and kept with it (its layer keys); not part
         of its equality.
+
+    Examples:
+      `jremat.trace` builds one (a planner reads it; users rarely construct one):
+
+      >>> import jax.numpy as jnp, jremat
+      >>> graph = jremat.trace(lambda w, x: jnp.sum(x @ w), jnp.ones((8, 8)), jnp.ones((4, 8)))
+      >>> isinstance(graph, jremat.Graph)
+      True
+      >>> [(graph.values[i].shape, graph.values[i].nbytes) for i in graph.invars]
+      [((8, 8), 256), ((4, 8), 128)]
+      >>> graph.is_temp(graph.invars[0]), graph.is_temp(graph.nodes[0].outputs[0])
+      (False, True)
     """
 
     values: list[Value]
@@ -290,6 +302,17 @@ def trace(fn: Callable[..., Any], *args: Any, argnums: int | Sequence[int] = 0) 
     Raises:
       TypeError: `fn` is not callable, or an argument at `argnums` has no floating leaves.
       ValueError: `argnums` is out of range.
+
+    Examples:
+      >>> import jax.numpy as jnp, jremat
+      >>> def loss(w, x):
+      ...     return jnp.sum(jnp.tanh(x @ w) ** 2)
+      >>> graph = jremat.trace(loss, jnp.ones((8, 8)), jnp.ones((4, 8)))
+      >>> graph.diff_invars  # argnums=0: only w is differentiated
+      [True, False]
+      >>> first = graph.nodes[0]
+      >>> first.primitive, first.flops  # x @ w: 2 * 4 * 8 * 8 FLOPs
+      ('dot_general', 512.0)
     """
     if not callable(fn):
         raise TypeError(f"fn must be a callable, got {type(fn).__name__}")

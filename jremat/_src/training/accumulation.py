@@ -373,6 +373,7 @@ def has_updated(state: Any) -> jax.Array:
 
     Examples:
       >>> import jax.numpy as jnp, optax
+      >>> from jremat import accumulate, has_updated
       >>> opt = accumulate(optax.sgd(1.0), 1)
       >>> s = opt.init(jnp.zeros(2))
       >>> bool(has_updated(s)), bool(has_updated(opt.update(jnp.ones(2), s)[1]))
@@ -406,6 +407,7 @@ def state_bytes(state: Any) -> int:
 
     Examples:
       >>> import jax, jax.numpy as jnp, optax
+      >>> from jremat import accumulate, state_bytes
       >>> p = {"w": jnp.zeros((1000,), jnp.float32)}
       >>> state_bytes(optax.adam(1e-3).init(p))  # count (4) + mu, nu (2 * 4000)
       8004

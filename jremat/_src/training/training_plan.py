@@ -66,6 +66,21 @@ class TrainingPlan:
         with the rematerialized loss; `((loss, aux), grads)` with `has_aux` (aux combined
         over the microbatches by `aux_reduction`, as `jremat.microbatch`).
       budget_bytes: the byte budget the plan was made for.
+
+    Examples:
+      `jremat.plan_training` returns one:
+
+      >>> import jax, jax.numpy as jnp, jremat
+      >>> loss = lambda w, batch: jnp.mean(jnp.tanh(batch @ w) ** 2)
+      >>> tp = jremat.plan_training(loss, jnp.ones((8, 8)), jnp.ones((4, 8)), budget="1MiB")
+      >>> tp.num_microbatches, tp.plan is None, tp.budget_bytes  # fits as written
+      (1, True, 1048576)
+      >>> first = tp.alternatives[0]  # the first configuration compiled
+      >>> first["k"], first["remat_budget"], first["fits"]
+      (1, None, True)
+      >>> loss_value, grad = tp.value_and_grad(jnp.ones((8, 8)), jnp.ones((4, 8)))
+      >>> loss_value.shape, grad.shape
+      ((), (8, 8))
     """
 
     num_microbatches: int
