@@ -8,7 +8,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -148,6 +148,30 @@ def source_summary(eqn: Any) -> str:
         return source_info_util.summarize(eqn.source_info)
     except Exception:  # noqa: BLE001 - source info is best effort across versions
         return ""
+
+
+def eval_jaxpr(
+    jaxpr: Any,
+    consts: Sequence[Any],
+    args: Sequence[Any],
+    bind_eqn: Callable[[Any, list[Any]], list[Any]] | None = None,
+) -> list[Any]:
+    """Evaluate an open jaxpr equation by equation, each under its own source info; returns
+    the flat outputs. `bind_eqn(eqn, invals) -> outputs` evaluates each equation (default
+    `bind`: as traced), so a caller may rewrite some (`rewrite.remat_scan` the nested loops)."""
+    run = bind if bind_eqn is None else bind_eqn
+    env: dict[Any, Any] = {}
+
+    def read(v: Any) -> Any:
+        return v.val if hasattr(v, "val") else env[v]
+
+    env.update(zip(jaxpr.constvars, consts, strict=True))
+    env.update(zip(jaxpr.invars, args, strict=True))
+    for eqn in jaxpr.eqns:
+        with source_context(eqn):
+            outs = run(eqn, [read(v) for v in eqn.invars])
+        env.update(zip(eqn.outvars, outs, strict=True))
+    return [read(v) for v in jaxpr.outvars]
 
 
 def source_context(eqn: Any) -> Any:

@@ -27,23 +27,8 @@ BLOCK_ANCHORS = (SAVE_NAMES, "dots_saveable", "dots_with_no_batch_dims_saveable"
 
 
 # -- a traced block as a function of arrays --------------------------------------------------
-def eval_jaxpr(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any]) -> list[Any]:
-    """Evaluate an open jaxpr equation by equation (`_compat.bind`); returns the flat outputs."""
-    env: dict[Any, Any] = {}
-
-    def read(v: Any) -> Any:
-        return v.val if hasattr(v, "val") else env[v]
-
-    for var, x in zip(jaxpr.constvars, consts, strict=True):
-        env[var] = x
-    for var, x in zip(jaxpr.invars, args, strict=True):
-        env[var] = x
-    for eqn in jaxpr.eqns:
-        with _compat.source_context(eqn):
-            outs = _compat.bind(eqn, [read(v) for v in eqn.invars])
-        for var, val in zip(eqn.outvars, outs, strict=True):
-            env[var] = val
-    return [read(v) for v in jaxpr.outvars]
+#: An open jaxpr evaluated equation by equation (re-exported for the Flax frontends).
+eval_jaxpr = _compat.eval_jaxpr
 
 
 def _is_diff(x: Any) -> bool:

@@ -154,23 +154,14 @@ def remat_scan(
 def _with_inner_loops(body: Any, inner: str) -> Callable[..., list[Any]]:
     """A closed scan body as a function whose own scan equations run their bodies under
     `jax.checkpoint(inner)` (`remat_scan`); every other equation as it was."""
-    from jax.extend.core import Literal
-
     jaxpr, consts = _compat.closed(body)
 
-    def run(*args: Any) -> list[Any]:
-        env: dict[Any, Any] = dict(zip(jaxpr.constvars, consts, strict=True))
-        env.update(zip(jaxpr.invars, args, strict=True))
-        for eqn in jaxpr.eqns:
-            invals = [x.val if isinstance(x, Literal) else env[x] for x in eqn.invars]
-            if eqn.primitive.name == "scan":
-                outs = remat_scan(eqn, invals, inner)
-            else:
-                outs = _compat.bind(eqn, invals)
-            env.update(zip(eqn.outvars, outs, strict=True))
-        return [x.val if isinstance(x, Literal) else env[x] for x in jaxpr.outvars]
+    def bind_eqn(eqn: Any, invals: list[Any]) -> list[Any]:
+        if eqn.primitive.name == "scan":
+            return remat_scan(eqn, invals, inner)
+        return _compat.bind(eqn, invals)
 
-    return run
+    return lambda *args: _compat.eval_jaxpr(jaxpr, consts, args, bind_eqn)
 
 
 def _remat_scan_pieces(eqn: Any, invals: list[Any], pieces: Sequence[ScanPiece]) -> list[Any]:
