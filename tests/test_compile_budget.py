@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import chex
 import jax
+import jax.numpy as jnp
 import models as M  # tests/ is on sys.path via conftest
 import pytest
 
@@ -73,7 +74,7 @@ def test_a_budget_that_runs_out_before_any_plan_fits_states_a_floor_that_holds(d
 def test_compile_budgets_below_what_verification_needs_are_refused_by_name(decoder):
     with pytest.raises(ValueError, match=r"compile_budget=2 .* pass compile_budget>=3"):
         jremat.plan(decoder.loss, *decoder.args, budget=0.5, compile_budget=2)
-    with pytest.raises(ValueError, match="compile_budget>=4"):  # has_aux: its aux-less step
+    with pytest.raises(ValueError, match="compile_budget>=5"):  # has_aux: its aux-less steps
         jremat.plan(
             lambda p, t: (decoder.loss(p, t), t.sum()),
             *decoder.args,
@@ -99,3 +100,26 @@ def test_auto_passes_its_compile_budget_and_keys_plans_by_it(decoder):
     graph = jremat.trace(decoder.loss, *decoder.args)
     avals = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), decoder.args)
     assert small.plan_cache.key(graph, avals)[0] != unlimited.plan_cache.key(graph, avals)[0]
+
+
+def test_has_aux_checks_count_both_of_their_compiles():
+    """With `has_aux` a plan's `jit(grad)` check compiles twice (with and without the aux):
+    every reservation counts both, so a budget never ends in an error from inside the
+    search, and what is spent stays within it; where nothing verified fits, the floor stated
+    is a plan the spare compiles verified."""
+    ws = [jax.random.normal(k, (32, 32)) / 6 for k in jax.random.split(jax.random.key(0), 6)]
+    x = jax.random.normal(jax.random.key(1), (256, 32))
+
+    def loss(ws, x):
+        for w in ws:
+            x = x + jnp.tanh(jnp.sin(x @ w) * 1.1)
+        return jnp.mean(x**2), {"m": jnp.mean(x)}
+
+    for compile_budget in (5, 7, 9):
+        try:
+            plan = jremat.plan(loss, ws, x, budget=0.5, has_aux=True, compile_budget=compile_budget)
+        except jremat.InfeasibleBudgetError as e:
+            assert "compile budget" in str(e) and e.smallest_reachable <= 1
+            continue
+        assert plan.compiles <= compile_budget
+        assert plan.measured_temp_bytes <= 0.5 * plan.baseline_temp_bytes

@@ -285,28 +285,44 @@ def test_a_scan_setting_for_the_loops_inside_runs_exact_and_round_trips():
 
     from jremat._src.plan.plan import ScanPiece, ScanSetting
 
-    w = jax.random.normal(jax.random.key(0), (16, 16)) / 4
-    x = jax.random.normal(jax.random.key(1), (8, 16))
+    w = jax.random.normal(jax.random.key(0), (64, 64)) / 8
+    x = jax.random.normal(jax.random.key(1), (256, 64))
 
-    def loss(w, x):
+    def run(w, c):  # the inner loop: a step while its index is below 2
         def inner(c, i):
             return jax.lax.cond(i < 2, lambda c: jnp.tanh(c @ w), lambda c: c, c), None
 
+        return jax.lax.scan(inner, c, jnp.arange(3))[0]
+
+    def nested(w, x):  # the inner loop in the outer body
+        return jnp.mean(jax.lax.scan(lambda c, _: (run(w, c), None), x, None, length=4)[0] ** 2)
+
+    def in_branch(w, x):  # the inner loop in a cond branch of the outer body
         def outer(c, _):
-            return jax.lax.scan(inner, c, jnp.arange(3))[0], None
+            return jax.lax.cond(c.sum() > -1e9, lambda c: run(w, c), lambda c: 0.5 * c, c), None
 
         return jnp.mean(jax.lax.scan(outer, x, None, length=4)[0] ** 2)
 
-    graph = jremat.trace(loss, w, x)
-    (node,) = [n for n in graph.nodes if n.primitive == "scan"]
-    want = jax.grad(loss)(w, x)
-    for policy in ("keep", "nothing_saveable"):
-        plan = jremat.Plan.identity(graph)
-        plan.scans = {str(node.index): ScanSetting(policy, 1, inner="nothing_saveable")}
-        again = jremat.Plan.from_json(plan.to_json())
-        assert again.scans == plan.scans and "loops inside" in plan.summary()
-        got = jax.jit(jax.grad(jremat.rematerialize(loss, again)))(w, x)
-        chex.assert_trees_all_close(got, want, rtol=1e-5, atol=1e-7)
+    for loss in (nested, in_branch):
+        graph = jremat.trace(loss, w, x)
+        (node,) = [n for n in graph.nodes if n.primitive == "scan"]
+        want = jax.grad(loss)(w, x)
+        plain = jax.jit(jax.grad(loss)).lower(w, x).compile().memory_analysis().temp_size_in_bytes
+        for policy in ("keep", "nothing_saveable"):
+            plan = jremat.Plan.identity(graph)
+            plan.scans = {str(node.index): ScanSetting(policy, 1, inner="nothing_saveable")}
+            again = jremat.Plan.from_json(plan.to_json())
+            assert again.scans == plan.scans and "loops inside" in plan.summary()
+            step = jax.jit(jax.grad(jremat.rematerialize(loss, again)))
+            chex.assert_trees_all_close(step(w, x), want, rtol=1e-5, atol=1e-7)
+            # the nested loops' residuals are gone: not a setting that changes nothing
+            assert step.lower(w, x).compile().memory_analysis().temp_size_in_bytes < plain
+    flat = jremat.trace(lambda w, x: jnp.mean(run(w, x) ** 2), w, x)
+    (node,) = [n for n in flat.nodes if n.primitive == "scan"]
+    plan = jremat.Plan.identity(flat)
+    plan.scans = {str(node.index): ScanSetting("keep", 1, inner="nothing_saveable")}
+    with pytest.raises(ValueError, match="runs no loop"):  # a no-op is refused, not run
+        jax.grad(jremat.rematerialize(lambda w, x: jnp.mean(run(w, x) ** 2), plan))(w, x)
     with pytest.raises(ValueError, match=r"inner: unknown policy 'keep'"):
         ScanSetting("nothing_saveable", 1, inner="keep")
     with pytest.raises(ValueError, match="inner does not apply"):

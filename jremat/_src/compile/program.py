@@ -286,9 +286,8 @@ class Program:
     def _compile_step(
         self, plan: Plan | None, figures_only: bool = True
     ) -> tuple[Compiled, Any, float]:
-        identity = plan is None or plan.is_identity
         # a plan's step leaves room for its `jit(grad)` check (the baseline needs none)
-        self._charge(reserve=0 if identity or not self._grad_step_apart(plan) else 1)
+        self._charge(self.step_compiles, reserve=self._step_reserve(plan))
         f = self.objective.step_fn(self, plan)
         t0 = time.perf_counter()
         exe, flops = self.compile_fn(f, figures_only=figures_only)
@@ -337,33 +336,52 @@ class Program:
             ahead = self._grad_ahead.get(self.program_key(plan))
         return self._grad_temp(plan) if ahead is None else ahead.result()
 
-    def _charge(self, reserve: int = 0) -> None:
-        """Count one whole-program compile against `compile_budget`; raise
-        `CompileBudgetSpent` instead where it would leave fewer than `reserve` compiles."""
+    def _charge(self, n: int = 1, reserve: int = 0) -> None:
+        """Count `n` whole-program compiles against `compile_budget`; raise
+        `CompileBudgetSpent` instead where they would leave fewer than `reserve` compiles."""
         with self._lock:
             if self.compile_budget is not None and (
-                self.compiles_spent + 1 + reserve > self.compile_budget
+                self.compiles_spent + n + reserve > self.compile_budget
             ):
                 raise CompileBudgetSpent(
                     f"{self.compiles_spent} of {self.compile_budget} compiles spent"
                 )
-            self.compiles_spent += 1
+            self.compiles_spent += n
+
+    @property
+    def step_compiles(self) -> int:
+        """XLA compiles one step's figures take: 3 in a `shard_map` body (the step, the step
+        that drops the loss and the data-parallel step, `xla.compile_figures`), else 1."""
+        return 3 if self.manual_axes else 1
+
+    def grad_check_compiles(self, plan: Plan | None) -> int:
+        """Compiles `grad_step_temp(plan)` takes when not known yet: none where the step's
+        figures hold for it already, 2 with `has_aux` (with the aux, then without), else 1."""
+        if not self._grad_step_apart(plan):
+            return 0
+        return 2 if self.has_aux else 1
+
+    def _step_reserve(self, plan: Plan | None) -> int:
+        """Compiles a plan's step leaves for its `jit(grad)` check (none for the baseline)."""
+        return 0 if plan is None or plan.is_identity else self.grad_check_compiles(plan)
+
+    def room_for(self, plan: Plan) -> bool:
+        """Whether the compile budget leaves `plan`'s step and its `jit(grad)` check."""
+        return self.compiles_left >= self.step_compiles + self.grad_check_compiles(plan)
 
     def verification_compiles(self) -> int:
         """The fewest compiles a verified plan needs here: the unrematerialized step (and,
-        with `has_aux`, that step without its aux), a plan's step and its `jit(grad)` step."""
+        with `has_aux`, that step without its aux), a plan's step and its `jit(grad)` check."""
         apart = self._grad_step_apart(None)
-        return 2 + int(apart and self.has_aux) + int(apart)
+        return 2 * self.step_compiles + int(apart and self.has_aux) + self.grad_check_compiles(None)
 
     def _affordable(self, plans: Sequence[Plan | None]) -> int:
         """How many of `plans`, compiled in order, `_charge` lets compile."""
         left = self.compiles_left
         for n, p in enumerate(plans):
-            identity = p is None or p.is_identity
-            reserve = 0 if identity or not self._grad_step_apart(p) else 1
-            if 1 + reserve > left:
+            if self.step_compiles + self._step_reserve(p) > left:
                 return n
-            left -= 1
+            left -= self.step_compiles
         return len(plans)
 
     def grad_known(self, plan: Plan | None) -> bool:

@@ -149,8 +149,8 @@ def auto(
         returned pair raises a TypeError naming `has_aux`). Flax modules (classes, linen
         methods) return any outputs already and refuse it.
       compile_budget: whole-program compiles one signature's search may spend, verification
-        included (`jremat.plan`'s `compile_budget`: an int >= 3, or None, the default, for no
-        limit); the cheapest plan verified when it runs out is used.
+        included (`jremat.plan`'s `compile_budget`: an int >= 3, 5 with `has_aux`, or None,
+        the default, for no limit); the cheapest plan verified when it runs out is used.
 
     Returns:
       For a function, the wrapped function: `wrapper.plans` maps each key (signature,

@@ -6,14 +6,19 @@ from __future__ import annotations
 
 import math
 import re
-from typing import Any
 
 import jax
 
 from jremat._src.base import compat as _compat
 from jremat._src.plan.plan import KEEP, Plan, ScanSetting, plan_key
 from jremat._src.trace.graph import Graph
-from jremat._src.trace.layers import flop_chunks, layer_segments, layer_source, sqrt_divisor
+from jremat._src.trace.layers import (
+    flop_chunks,
+    layer_segments,
+    layer_source,
+    loops_inside,
+    sqrt_divisor,
+)
 
 #: Fixed recipes compiled next to every plan search: JAX's built-in policies per layer and
 #: sqrt(n) segments. `plan` returns the cheapest compiled plan that fits, so it never recomputes
@@ -117,18 +122,12 @@ def scan_configs(graph: Graph) -> list[dict[str, ScanSetting]]:
     # loops nested in a loop's body (a bounded while written as scans): their own bodies
     # checkpointed, the outer body kept or checkpointed too, as a user's jax.checkpoint on the
     # nested loop's step places them
-    nesting = [n for n in scans if _holds_loops(n.eqn)]
+    nesting = [n for n in scans if loops_inside(n.eqn.params["jaxpr"])]
     for policy in (KEEP, "nothing_saveable"):
         cfg = {str(n.index): ScanSetting(policy, 1, inner="nothing_saveable") for n in nesting}
         if cfg:
             configs.append(cfg)
     return configs
-
-
-def _holds_loops(eqn: Any) -> bool:
-    """Whether a scan equation's body has scans among its own equations."""
-    body = eqn.params["jaxpr"]
-    return any(e.primitive.name == "scan" for e in getattr(body, "jaxpr", body).eqns)
 
 
 def recipe_plan(graph: Graph, policy: str, segmentation: str = "layers") -> Plan:

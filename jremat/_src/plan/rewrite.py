@@ -22,6 +22,7 @@ from jremat._src.base.errors import PlanMismatchError
 from jremat._src.plan.offload import offload_policy
 from jremat._src.plan.plan import KEEP, SAVE_NAMES, Plan, ScanPiece, ScanSetting, Segment
 from jremat._src.trace.graph import Graph, build_graph, is_literal, signature
+from jremat._src.trace.layers import PASS_THROUGH, loops_inside
 
 
 def residual_name(vid: int) -> str:
@@ -94,7 +95,7 @@ def remat_scan(
 
     Raises:
       ValueError: when `nest` > 1 does not divide the length (it fell back to an unnested
-        loop silently before).
+        loop silently before); `inner` on a loop whose body runs no loop.
     """
     if pieces:
         return _remat_scan_pieces(eqn, invals, pieces)
@@ -105,6 +106,12 @@ def remat_scan(
     body = eqn.params["jaxpr"]
     if not hasattr(body, "consts"):
         body = ClosedJaxpr(body, [])
+    if inner is not None and not loops_inside(body):
+        raise ValueError(
+            f"ScanSetting.inner={inner!r} on a scan whose body runs no loop (no scan among its "
+            "equations, its cond branches or nested jits): it would change nothing; leave "
+            "inner None there"
+        )
     body_fn = jaxpr_as_fun(body) if inner is None else _with_inner_loops(body, inner)
     if policy != KEEP:
         pol = real_residuals_only(
@@ -153,12 +160,21 @@ def remat_scan(
 
 def _with_inner_loops(body: Any, inner: str) -> Callable[..., list[Any]]:
     """A closed scan body as a function whose own scan equations run their bodies under
-    `jax.checkpoint(inner)` (`remat_scan`); every other equation as it was."""
+    `jax.checkpoint(inner)` (`remat_scan`), also inside its `cond` branches and nested jits
+    (`layers.PASS_THROUGH`); every other equation as it was."""
     jaxpr, consts = _compat.closed(body)
 
     def bind_eqn(eqn: Any, invals: list[Any]) -> list[Any]:
-        if eqn.primitive.name == "scan":
+        name = eqn.primitive.name
+        if name == "scan":
             return remat_scan(eqn, invals, inner)
+        if name in PASS_THROUGH and any(loops_inside(j) for j in _compat.subjaxprs(eqn)):
+            if name == "cond":  # each branch rewritten; the index picks one, as lax.cond did
+                branches = [_with_inner_loops(b, inner) for b in eqn.params["branches"]]
+                return list(jax.lax.switch(invals[0], branches, *invals[1:]))
+            (sub,) = _compat.subjaxprs(eqn)  # a nested jit: inlined, its loops rewritten
+            closed = eqn.params.get("jaxpr", eqn.params.get("call_jaxpr"))
+            return list(_with_inner_loops(closed if closed is not None else sub, inner)(*invals))
         return _compat.bind(eqn, invals)
 
     return lambda *args: _compat.eval_jaxpr(jaxpr, consts, args, bind_eqn)

@@ -646,9 +646,13 @@ def compare(
                         plan_seconds=time.perf_counter() - t_plan,
                         budget_temp_bytes=target,
                         status="infeasible",
-                        note=f"infeasible: budget {job.spec.raw} is below the reachable range "
-                        f"{e.smallest_reachable} .. {top} (smallest reachable budget "
-                        f"{e.smallest_reachable}; {top} is no remat)",
+                        note=(
+                            f"infeasible: {e}"  # the compile budget ran out: its own words
+                            if "compile budget" in str(e)
+                            else f"infeasible: budget {job.spec.raw} is below the reachable "
+                            f"range {e.smallest_reachable} .. {top} (smallest reachable budget "
+                            f"{e.smallest_reachable}; {top} is no remat)"
+                        ),
                     )
                 )
                 finish(rows[-1], t0)

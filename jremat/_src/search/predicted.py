@@ -121,7 +121,7 @@ def run_budgeted(
         plan = planner.plan(aim)
     keys: set[str] = set()
     fits = True
-    while plan is not None and prog.compiles_left >= 2:  # the plan and its jit(grad) check
+    while plan is not None and prog.room_for(plan):  # the plan and its jit(grad) check
         step = 1 + AIM_STEP if fits else 1 - AIM_STEP
         for _ in range(AIM_STEPS):
             if plan is None or prog.program_key(plan) not in keys:

@@ -163,11 +163,12 @@ def plan(
         `fn`'s per-example program, but the step compiled, verified and budgeted is the
         vmapped one at the batched arguments (a fraction is of its unrematerialized temp).
         None (default): no vmap.
-      compile_budget: the whole-program compiles the search may spend, an int >= 3 (each
-        `value_and_grad` and `jit(grad)` step compiled counts one, the unrematerialized step
-        and the verification included; 4 with `has_aux`, whose unrematerialized step is
-        also compiled without its aux), or None (default): no limit. Where it runs out, the
-        cheapest plan compiled so far that holds on both steps is returned
+      compile_budget: the XLA compiles of the whole program the search may spend, the
+        unrematerialized step and the verification included, or None (default): no limit.
+        Each `value_and_grad` and `jit(grad)` step counts one (with `has_aux` a `jit(grad)`
+        check is two: with and without the aux; in a `shard_map` body a step is three).
+        At least what verifying one plan needs: 3 (5 with `has_aux`). Where it runs out,
+        the cheapest plan compiled so far that holds on both steps is returned
         (docs/guides/planning-cost.md). `Plan.compiles` records what was spent.
 
     Returns:
@@ -283,9 +284,8 @@ def solve(
         raise ValueError(
             f"compile_budget={compile_budget!r} is below the {needed} compiles verification "
             "needs on this program (the unrematerialized step, a plan's value_and_grad step "
-            "and its jit(grad) step"
-            + (", and the unrematerialized step without its aux" if needed > 3 else "")
-            + f"): pass compile_budget>={needed}, or None for no limit"
+            "and its jit(grad) check; with has_aux also each without its aux; 3 compiles a "
+            f"step in a shard_map body): pass compile_budget>={needed}, or None for no limit"
         )
     prog.compile_budget, prog.compiles_spent = compile_budget, 0
     try:
@@ -425,12 +425,19 @@ def _budget_spent(prog: Program, spec: Budget, offload: OffloadCost | None, solv
         ((score(p, c), i, p, c) for i, (p, c) in enumerate(prog.tried) if c.temp_bytes <= target),
         key=lambda t: t[:2],
     )
+
+    def grad_temp(p: Plan) -> int | None:
+        """`p`'s `jit(grad)` temp where known or the budget leaves its check, else None."""
+        if not prog.grad_known(p) and prog.compiles_left < prog.grad_check_compiles(p):
+            return None
+        try:
+            return prog.grad_step_temp(p)
+        except CompileBudgetSpent:  # a check the accounting did not foresee: not verified
+            return None
+
     for _, _, p, c in ranked:
-        if not prog.grad_known(p) and prog.compiles_left < 1:
-            continue
-        grad_temp = prog.grad_step_temp(p)
-        if grad_temp <= target:
-            held = dataclasses.replace(c, temp_bytes=max(c.temp_bytes, grad_temp))
+        if (grad := grad_temp(p)) is not None and grad <= target:
+            held = dataclasses.replace(c, temp_bytes=max(c.temp_bytes, grad))
             chosen = prog.record(copy.deepcopy(p), held)
             chosen.predicted_temp_bytes = 0
             chosen.notes.append(
@@ -438,6 +445,11 @@ def _budget_spent(prog: Program, spec: Budget, offload: OffloadCost | None, solv
                 "that holds on both steps"
             )
             return _finish(chosen, meta, solver, prog.graph)
+    # none fits: what is left of the budget verifies the lowest plans compiled, so that the
+    # floor stated is one a plan reached (not the unrematerialized program's 1.0)
+    for p, _ in sorted(prog.tried, key=lambda pc: pc[1].temp_bytes):
+        if grad_temp(p) is None:
+            break
     verified = [
         max(c.temp_bytes, prog.grad_step_temp(p)) for p, c in prog.tried if prog.grad_known(p)
     ]

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 import re
+from typing import Any
 
 import numpy as np
 
@@ -329,6 +330,23 @@ def candidate_cuts(graph: Graph, max_cuts: int = 160, layers: bool = True) -> li
 
 def has_scan(graph: Graph) -> bool:
     return _has_primitive(graph, "scan")
+
+
+#: Equations whose bodies a nested-loop rewrite looks into for loops (`loops_inside`):
+#: branches and nested jits run once per iteration of the loop around them.
+PASS_THROUGH = ("cond", "pjit", "jit", "closed_call")
+
+
+def loops_inside(jaxpr: Any) -> bool:
+    """Whether a (closed) jaxpr runs a `scan` among its equations, or inside the bodies of
+    its `PASS_THROUGH` equations (a `cond` branch, a nested jit)."""
+    for eqn in getattr(jaxpr, "jaxpr", jaxpr).eqns:
+        name = eqn.primitive.name
+        if name == "scan" or (
+            name in PASS_THROUGH and any(loops_inside(j) for j in subjaxprs(eqn))
+        ):
+            return True
+    return False
 
 
 def has_checks(graph: Graph) -> bool:
