@@ -176,8 +176,9 @@ def test_a_plan_call_compiles_a_fixed_count_whatever_was_planned_before(compiles
 
 def test_a_decoder_plan_call_compiles_a_fixed_count(compiles, monkeypatch):
     """Regression guard on planning cost on a GPT-2-style decoder (tests/models.py, 4 layers):
-    one `solve` at 0.5 compiles 8 programs on both JAX lines (the baseline with the recipe
-    that saves the most, the min-memory plan and 4 reference recipes, then rounds and mixes;
+    one `solve` at 0.5 compiles 10 programs on both JAX lines (the baseline with the recipe
+    that saves the most, the aimed search's 2 plans (`solve.AIMED_SHOTS`), the min-memory
+    plan and 4 reference recipes, then rounds and mixes; 8 before the aimed plans joined;
     10 on jax 0.10 and 9 on jax 0.12 before the per-value save options) and the chosen
     plan's `jit(grad)` step: the full search's cost today (issue 29 asks for 4), so that a
     change that compiles more, or fewer, is seen and its count written here."""
@@ -192,7 +193,7 @@ def test_a_decoder_plan_call_compiles_a_fixed_count(compiles, monkeypatch):
     model = M.decoder(depth=4, d=64, seq=64, batch=8)
     prog = Program(model.loss, model.args, 0)
     plan = solve(prog, parse_budget(0.5), solver=M.SOLVER)
-    assert compiles.jremat == prog.compiles + 1 == 8 + 1
+    assert compiles.jremat == prog.compiles + 1 == 10 + 1
     assert plan.measured_temp_bytes <= 0.5 * plan.baseline_temp_bytes
     _only_through_compile_jitted(compiles)
 

@@ -77,6 +77,7 @@ def run_budgeted(
     score: Callable[[Plan, Compiled], float],
     *,
     close_enough: float,
+    max_plans: int | None = None,
 ) -> Search:
     """Under a compile budget (`Program.compile_budget`): the planner's plans aimed at
     `target` on a model fitted to the baseline alone, each aim corrected through every plan
@@ -99,6 +100,8 @@ def run_budgeted(
       target: the budget in compiled temp bytes.
       score: a compiled plan's score (FLOPs, with offload transfers).
       close_enough: a fraction of `target`.
+      max_plans: plans compiled at most (None: as many as the budget leaves); the full
+        search asks for `solve.AIMED_SHOTS` of them as its candidates.
 
     Returns:
       The `Search`: untrusted (nothing compiled) where the baseline's fit is outside
@@ -122,6 +125,8 @@ def run_budgeted(
     keys: set[str] = set()
     fits = True
     while plan is not None and prog.room_for(plan):  # the plan and its jit(grad) check
+        if max_plans is not None and len(keys) >= max_plans:
+            break
         step = 1 + AIM_STEP if fits else 1 - AIM_STEP
         for _ in range(AIM_STEPS):
             if plan is None or prog.program_key(plan) not in keys:
