@@ -6,6 +6,7 @@ Why a plan is many segments with names saved: docs/design.md#plans-and-the-rewri
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import numbers
 import os
@@ -696,10 +697,19 @@ class Plan:
 
 
 def _segment_source(graph: Graph, s: Segment) -> str:
-    """The layer a segment starts in and its user source lines, from the graph."""
+    """The layer a segment starts in and its user source lines, from the graph; for a
+    segment whose equations carry no frame of the user's code (the body of a jitted `jnp`
+    function, inlined, on jax 0.10), the nearest equation's line that does, as "near ..."."""
     first = graph.nodes[s.start]
     scope = f"[{first.name_stack}] " if first.name_stack else ""
-    return scope + source_span(n.eqn for n in graph.nodes[s.start : s.end])
+    span = source_span(n.eqn for n in graph.nodes[s.start : s.end])
+    if not span:
+        before = range(s.start - 1, -1, -1)
+        after = range(s.end, graph.num_nodes)
+        for i in (j for pair in itertools.zip_longest(before, after) for j in pair):
+            if i is not None and (near := source_span([graph.nodes[i].eqn])):
+                return f"{scope}near {near}"
+    return scope + span
 
 
 def _shapes(graph: Graph, ids: list[int], limit: int = 6) -> str:

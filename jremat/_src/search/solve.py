@@ -363,7 +363,8 @@ def _search(
             return found
     if first is not None and aimed and (found := _no_recompute(prog, target, first, meta, solver)):
         return found
-    if verify and not best_first and not prog.has_scan and offload is None and AIMED_SHOTS:
+    # (with an offload cost too: its plans offload nothing, and are candidates of any search)
+    if verify and not best_first and not prog.has_scan and AIMED_SHOTS:
         if solver in BEST_FIRST_SOLVERS:
             carried = _aimed_candidates(prog, target, score, solver, max_cuts)
     planner = prog.planner(solver, max_cuts, offload)
