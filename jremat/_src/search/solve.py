@@ -364,52 +364,48 @@ def _search(
     if first is not None and aimed and (found := _no_recompute(prog, target, first, meta, solver)):
         return found
     # (with an offload cost too: its plans offload nothing, and are candidates of any search)
-    if verify and not best_first and not prog.has_scan and AIMED_SHOTS:
-        if solver in BEST_FIRST_SOLVERS:
-            carried = _aimed_candidates(prog, target, score, solver, max_cuts)
+    if verify and not best_first and not prog.has_scan and solver in BEST_FIRST_SOLVERS:
+        carried = _aimed_candidates(prog, target, score, solver, max_cuts)
     planner = prog.planner(solver, max_cuts, offload)
     if not verify:
         return _model_only(prog, spec, planner, target, meta, solver)
-    try:
-        cal = _calibrate(prog, planner)
-        logger.info(
-            "baseline and %d reference plans compiled in %.1f s",
-            len(cal.anchors),
-            time.perf_counter() - t0,
-        )
-        second = (
-            functools.partial(prog.planner, solver, max_cuts, baseline_fit=True)
-            if BASELINE_FIT_SHOT and solver in BEST_FIRST_SOLVERS and offload is None
-            else None
-        )
-        cands = _choose(prog, planner, cal, target, score, max_rounds, carried, offload, second)
-        logger.info(
-            "%d rounds compiled, %.1f s since planning began",
-            len(cands.stage["rounds"]),
-            time.perf_counter() - t0,
-        )
-        # the plans that do not depend on the target: an InfeasibleBudgetError states their floor
-        target_free = [*cal.anchors, *cands.stage["floor"]]
-        if cands.best[1] is None and solver in BEST_FIRST_SOLVERS and offload is None:
-            _last_resort(prog, cands, max_cuts, target_free)
-        best = cands.best
-        if best[1] is not None:
-            best = _holds_under_grad(prog, target, best, cands.ranked())
-        logger.info(
-            "planned in %.1f s, %d programs compiled on this program so far",
-            time.perf_counter() - t0,
-            prog.compiles,
-        )
-        if best[1] is None:
-            best = _floor_fallback(prog, planner, cal, cands)
-        _, chosen, c = best
-        if chosen is None:
-            # what a new plan() call at the stated budget compiles again (not the target-driven
-            # rounds and mixes, which a larger target steers elsewhere)
-            _raise_infeasible(spec, prog, [*cal.anchors, *cands.stage["floor"]])
-        return _finish_full(prog, planner, cal, chosen, c, [*cal.log, *cands.log], meta, solver)
-    finally:
-        prog.settle()
+    cal = _calibrate(prog, planner)
+    logger.info(
+        "baseline and %d reference plans compiled in %.1f s",
+        len(cal.anchors),
+        time.perf_counter() - t0,
+    )
+    second = (
+        functools.partial(prog.planner, solver, max_cuts, baseline_fit=True)
+        if BASELINE_FIT_SHOT and solver in BEST_FIRST_SOLVERS and offload is None
+        else None
+    )
+    cands = _choose(prog, planner, cal, target, score, max_rounds, carried, offload, second)
+    logger.info(
+        "%d rounds compiled, %.1f s since planning began",
+        len(cands.stage["rounds"]),
+        time.perf_counter() - t0,
+    )
+    # the plans that do not depend on the target: an InfeasibleBudgetError states their floor
+    target_free = [*cal.anchors, *cands.stage["floor"]]
+    if cands.best[1] is None and solver in BEST_FIRST_SOLVERS and offload is None:
+        _last_resort(prog, cands, max_cuts, target_free)
+    best = cands.best
+    if best[1] is not None:
+        best = _holds_under_grad(prog, target, best, cands.ranked())
+    logger.info(
+        "planned in %.1f s, %d programs compiled on this program so far",
+        time.perf_counter() - t0,
+        prog.compiles,
+    )
+    if best[1] is None:
+        best = _floor_fallback(prog, planner, cal, cands)
+    _, chosen, c = best
+    if chosen is None:
+        # what a new plan() call at the stated budget compiles again (not the target-driven
+        # rounds and mixes, which a larger target steers elsewhere)
+        _raise_infeasible(spec, prog, [*cal.anchors, *cands.stage["floor"]])
+    return _finish_full(prog, planner, cal, chosen, c, [*cal.log, *cands.log], meta, solver)
 
 
 def _budget_spent(prog: Program, spec: Budget, offload: OffloadCost | None, solver: str) -> Plan:
