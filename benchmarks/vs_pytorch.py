@@ -78,6 +78,10 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 OUT_MD = os.path.join(HERE, "results", "vs_pytorch.md")
 BUDGETS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)
 QUICK_BUDGETS = (0.1, 0.5, 1.0)
+SWEEP_MD = os.path.join(HERE, "results", "vs_pytorch_sweep.md")
+#: The sweep's PyTorch budgets: where PyTorch recomputes matmuls at the default sizes (0.1 ..
+#: 0.5; none at 0.7 and above), fewer compiles per cell than the full list.
+SWEEP_BUDGETS = (0.1, 0.2, 0.3, 0.5)
 MIB = 2**20
 #: Loss and gradient norm must agree between the frameworks to this relative tolerance.
 MATCH_RTOL = 1e-5
@@ -294,7 +298,41 @@ def convnet(channels=(32, 64, 128), batch=16, size=64, classes=10, seed=2) -> Mo
     return Model("convnet", desc, p, (images, labels), forward)
 
 
-MODELS: dict[str, Callable[[], Model]] = {"gpt": gpt, "mlp": mlp, "convnet": convnet}
+MODELS: dict[str, Callable[..., Model]] = {"gpt": gpt, "mlp": mlp, "convnet": convnet}
+
+#: The size sweep (`--sweep`): per family, cells that vary depth, width and batch x sequence
+#: (rows), each factory's fixed seed. The first of each family is its default size; the GPT's
+#: second is issue 48's (6 layers, width 128, batch 8).
+SWEEP: tuple[tuple[str, dict[str, int]], ...] = (
+    ("gpt", {}),
+    ("gpt", {"layers": 6, "width": 128, "batch": 8}),
+    ("gpt", {"layers": 2, "width": 64, "seq": 128, "batch": 8}),
+    ("gpt", {"layers": 8, "width": 64, "seq": 128, "batch": 4}),
+    ("mlp", {}),
+    ("mlp", {"layers": 4, "width": 512, "hidden": 2048, "rows": 512}),
+    ("mlp", {"layers": 16, "width": 128, "hidden": 512, "rows": 2048}),
+)
+#: Short keys of the factories' size arguments, for cell names.
+_SIZE_KEYS = {"layers": "L", "width": "d", "hidden": "hid", "rows": "r"}
+
+
+def sweep_cell(family: str, sizes: dict[str, int]) -> Model:
+    """The `family` model at `sizes` (the factory's defaults for the rest), named by its
+    sizes: `gpt-L6-d128-b8x256`, `mlp-L8-d256-hid1024-r1024`."""
+    import inspect
+
+    full = {
+        k: v.default for k, v in inspect.signature(MODELS[family]).parameters.items() if k != "seed"
+    }
+    full.update(sizes)
+    parts = [family]
+    for k, short in _SIZE_KEYS.items():
+        if k in full:
+            parts.append(f"{short}{full[k]}")
+    if family == "gpt":
+        parts.append(f"b{full['batch']}x{full['seq']}")
+    model = MODELS[family](**sizes)
+    return dataclasses.replace(model, name="-".join(parts))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -660,6 +698,19 @@ def jremat_point(model: Model, target_temp: int, base: dict[str, Any]) -> dict[s
         matmul_flops=step_matmul_flops(fn, params, batch),
         saved_bytes=saved_residual_bytes(fn, params, batch),
         checkpointed_segments=sum(s.checkpointed for s in plan.segments),
+        # what the plan recomputes: its checkpointed segments (equations, policy, values
+        # saved, predicted recompute FLOPs, source lines)
+        segments=[
+            {
+                "eqns": [s.start, s.end],
+                "policy": s.policy,
+                "saved": len(s.saved),
+                "recompute_flops": s.recompute_flops,
+                "source": s.source,
+            }
+            for s in plan.segments
+            if s.checkpointed
+        ],
     )
     return row
 
@@ -889,6 +940,123 @@ def tables_from(records: list[dict], model: Model) -> str:
     return model_table(model, check, base, by_side("pytorch"), jrs, floor)
 
 
+SWEEP_HEADER = """# jremat vs PyTorch's activation memory budget: size sweep
+
+Written by `benchmarks/vs_pytorch.py --sweep` (its docstring has the method; the measures are
+those of `vs_pytorch.md`). PyTorch {torch} (CPU, `torch.compile` with inductor,
+`torch._functorch.config.activation_memory_budget` at {budgets}); jax {jax}. Each cell is one
+model size (weights and batch drawn from the factory's fixed seed) at one PyTorch budget;
+jremat is asked for PyTorch's compiled-step temp there. **ratio** is jremat's extra matmul
+FLOPs over PyTorch's at that memory, defined where PyTorch recomputes matmuls (extra > 0); the
+median and worst are taken over those cells (a cell jremat cannot reach counts as worst).
+"""
+
+
+def _median(xs: list[float]) -> float:
+    import statistics
+
+    return statistics.median(xs)
+
+
+def sweep_summary(records: list[dict]) -> tuple[str, list[dict]]:
+    """The Markdown cell table and summary of a sweep's records, and one dict per cell."""
+    cells = [r for r in records if r["side"] == "sweep_cell"]
+    rows: list[dict] = []
+    for c in cells:
+        mine = [r for r in records if r["model"] == c["model"]]
+        base = next((r for r in mine if r["side"] == "jremat_baseline"), None)
+        jrs = {r["target_temp_bytes"]: r for r in mine if r["side"] == "jremat"}
+        for p in (r for r in mine if r["side"] == "pytorch"):
+            pt_extra = p["matmul_flops"] - p["plain_matmul_flops"]
+            row = {
+                "family": c["family"],
+                "cell": c["model"],
+                "description": c["description"],
+                "pytorch_budget": p["budget"],
+                "pytorch_temp_bytes": p["temp_bytes"],
+                "pytorch_extra": pt_extra / p["plain_matmul_flops"],
+                "pytorch_recomputes": pt_extra > 0,
+            }
+            j = jrs.get(p["temp_bytes"])
+            if base is None or j is None:
+                row["jremat"] = "not run"
+            elif j["infeasible"]:
+                row.update(jremat="infeasible", jremat_floor=j["smallest_reachable_bytes"])
+            else:
+                j_extra = j["matmul_flops"] - base["matmul_flops"]
+                row.update(
+                    jremat="ok" if j["met"] else "over",
+                    jremat_budget=j["budget"],
+                    jremat_temp_bytes=j["temp_bytes"],
+                    jremat_extra=j_extra / base["matmul_flops"],
+                    jremat_segments=j.get("segments", []),
+                )
+                if pt_extra > 0:
+                    row["ratio"] = j_extra / pt_extra
+            if pt_extra > 0 and row["jremat"] in ("infeasible", "over"):
+                row["ratio"] = math.inf
+            rows.append(row)
+    lines = [
+        "| family | cell | PyTorch budget | PT temp MiB | jremat temp MiB | PT extra matmul "
+        "| jremat extra matmul | ratio jremat/PT | jremat checkpointed segments |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---|",
+    ]
+    for r in rows:
+        if r["jremat"] in ("ok", "over"):
+            jt, jx = _mib(r["jremat_temp_bytes"]), f"{100 * r['jremat_extra']:+.1f}%"
+            jt += "" if r["jremat"] == "ok" else " (over)"
+            segs = r["jremat_segments"]
+            gflop = sum(s["recompute_flops"] for s in segs) / 1e9
+            seg = f"{len(segs)}, {gflop:.3g} GFLOP predicted" if segs else "none"
+        elif r["jremat"] == "infeasible":
+            jt, jx, seg = f"infeasible (floor {_mib(r['jremat_floor'])})", "-", "-"
+        else:
+            jt, jx, seg = "not run", "-", "-"
+        ratio = r.get("ratio")
+        rt = "-" if ratio is None else ("inf" if math.isinf(ratio) else f"{ratio:.2f}")
+        lines.append(
+            f"| {r['family']} | {r['cell']} | {r['pytorch_budget']:.1f} | "
+            f"{_mib(r['pytorch_temp_bytes'])} | {jt} | {100 * r['pytorch_extra']:+.1f}% | "
+            f"{jx} | {rt} | {seg} |"
+        )
+    lines += [
+        "",
+        "Ratio jremat/PyTorch extra matmul FLOPs over cells where PyTorch recomputes matmuls:",
+        "",
+    ]
+    for fam in [*dict.fromkeys(r["family"] for r in rows), None]:
+        rs = [r["ratio"] for r in rows if "ratio" in r and (fam is None or r["family"] == fam)]
+        label = fam or "all families"
+        if rs:
+            worst = max(rs)
+            lines.append(
+                f"- {label}: {len(rs)} cells, median {_median(rs):.2f}, worst "
+                f"{'inf' if math.isinf(worst) else f'{worst:.2f}'}"
+            )
+        else:
+            lines.append(f"- {label}: no cell where PyTorch recomputes matmuls")
+    return "\n".join(lines), rows
+
+
+def sweep_markdown(records: list[dict]) -> str:
+    """The whole sweep file: header, cell table and summary, then each cell's own table."""
+    first = lambda side, key: next((r[key] for r in records if r["side"] == side), "?")
+    budgets = sorted({r["budget"] for r in records if r["side"] == "pytorch"})
+    head = SWEEP_HEADER.format(
+        torch=first("pytorch", "torch"),
+        jax=first("jremat_baseline", "jax"),
+        budgets=", ".join(f"{b:.1f}" for b in budgets),
+    )
+    table, _ = sweep_summary(records)
+    sections = []
+    for c in (r for r in records if r["side"] == "sweep_cell"):
+        have = {r["side"] for r in records if r["model"] == c["model"]}
+        if {"check", "jremat_baseline", "jremat_floor"} <= have:
+            model = sweep_cell(c["family"], c["sizes"])
+            sections.append(tables_from(records, model))
+    return "\n".join([head, "## Cells", "", table, "", "## Per cell", "", *sections]) + "\n"
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", action="append", choices=sorted(MODELS), help="repeatable")
@@ -905,8 +1073,31 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument(
         "--tables-from", help="JSON lines of an earlier full run: write its Markdown only"
     )
+    ap.add_argument(
+        "--sweep",
+        action="store_true",
+        help=f"the size sweep (SWEEP; budgets {SWEEP_BUDGETS} unless --budgets), to "
+        f"{os.path.relpath(SWEEP_MD)} unless --out",
+    )
+    ap.add_argument("--cell", action="append", help="with --sweep: only this cell (repeatable)")
+    ap.add_argument(
+        "--append", action="store_true", help="append to the JSON lines instead of replacing"
+    )
     args = ap.parse_args(argv)
     names = args.model or list(MODELS)
+    if args.sweep:
+        if args.out == OUT_MD:
+            args.out = SWEEP_MD
+        if args.budgets is None and not args.quick:
+            args.budgets = ",".join(map(str, SWEEP_BUDGETS))
+    if args.sweep and args.tables_from:
+        with open(args.tables_from) as f:
+            records = [json.loads(line) for line in f if line.strip()]
+        text = sweep_markdown(records)
+        with open(args.out, "w") as f:
+            f.write(text)
+        print(text)
+        return
     if args.tables_from:
         with open(args.tables_from) as f:
             records = [json.loads(line) for line in f if line.strip()]
@@ -937,16 +1128,35 @@ def main(argv: list[str] | None = None) -> None:
         ]
     jsonl = os.path.splitext(args.out)[0] + ".jsonl"
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    out = open(jsonl, "w")  # noqa: SIM115 - written record by record, so a cut run keeps its part
+    # written record by record, so a cut run keeps its part
+    out = open(jsonl, "a" if args.append else "w")  # noqa: SIM115
 
     def sink(record: dict) -> None:
         out.write(json.dumps(record) + "\n")
         out.flush()
 
+    if args.sweep:
+        models = [sweep_cell(fam, sizes) for fam, sizes in SWEEP if fam in names]
+        if args.cell:
+            models = [m for m in models if m.name in args.cell]
+    else:
+        models = [MODELS[name]() for name in names]
     sections: list[str] = []
     versions = {"torch": "?", "jax": "?"}
-    for name in names:
-        model = MODELS[name]()
+    for model in models:
+        name = model.name
+        if args.sweep:
+            (sizes,) = [s for f, s in SWEEP if sweep_cell(f, s).name == name]
+            family = name.split("-")[0]
+            sink(
+                {
+                    "side": "sweep_cell",
+                    "model": name,
+                    "family": family,
+                    "sizes": sizes,
+                    "description": model.description,
+                }
+            )
         print(f"== {name}: {model.description}", file=sys.stderr, flush=True)
         if earlier:
             pytorch = [r for r in earlier if r["model"] == name]
@@ -963,7 +1173,14 @@ def main(argv: list[str] | None = None) -> None:
         sections.append(jremat_side(model, pytorch, sink))
         print(sections[-1], flush=True)
     out.close()
-    if not args.pytorch_only:
+    if args.sweep and not args.pytorch_only:
+        with open(jsonl) as f:
+            records = [json.loads(line) for line in f if line.strip()]
+        with open(args.out, "w") as f:
+            f.write(sweep_markdown(records))
+        print(sweep_summary(records)[0], flush=True)
+        print(f"wrote {args.out}", file=sys.stderr)
+    elif not args.pytorch_only:
         with open(args.out, "w") as f:
             f.write(HEADER.format(**versions) + "\n" + "\n\n".join(sections) + "\n")
         print(f"wrote {args.out}", file=sys.stderr)
