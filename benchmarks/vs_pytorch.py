@@ -308,9 +308,13 @@ SWEEP: tuple[tuple[str, dict[str, int]], ...] = (
     ("gpt", {"layers": 6, "width": 128, "batch": 8}),
     ("gpt", {"layers": 2, "width": 64, "seq": 128, "batch": 8}),
     ("gpt", {"layers": 8, "width": 64, "seq": 128, "batch": 4}),
+    ("gpt", {"width": 256}),
+    ("gpt", {"seq": 512, "batch": 2}),
     ("mlp", {}),
     ("mlp", {"layers": 4, "width": 512, "hidden": 2048, "rows": 512}),
     ("mlp", {"layers": 16, "width": 128, "hidden": 512, "rows": 2048}),
+    ("mlp", {"rows": 4096}),
+    ("mlp", {"layers": 16, "rows": 512}),
 )
 #: Short keys of the factories' size arguments, for cell names.
 _SIZE_KEYS = {"layers": "L", "width": "d", "hidden": "hid", "rows": "r"}
@@ -958,9 +962,17 @@ def _median(xs: list[float]) -> float:
     return statistics.median(xs)
 
 
+def _sweep_cells(records: list[dict]) -> list[dict]:
+    """The sweep's cell records, in `SWEEP`'s order (family by family), whatever order they
+    ran in; cells not in `SWEEP` last."""
+    order = {sweep_cell(f, s).name: i for i, (f, s) in enumerate(SWEEP)}
+    cells = [r for r in records if r["side"] == "sweep_cell"]
+    return sorted(cells, key=lambda r: order.get(r["model"], len(order)))
+
+
 def sweep_summary(records: list[dict]) -> tuple[str, list[dict]]:
     """The Markdown cell table and summary of a sweep's records, and one dict per cell."""
-    cells = [r for r in records if r["side"] == "sweep_cell"]
+    cells = _sweep_cells(records)
     rows: list[dict] = []
     for c in cells:
         mine = [r for r in records if r["model"] == c["model"]]
@@ -1049,7 +1061,7 @@ def sweep_markdown(records: list[dict]) -> str:
     )
     table, _ = sweep_summary(records)
     sections = []
-    for c in (r for r in records if r["side"] == "sweep_cell"):
+    for c in _sweep_cells(records):
         have = {r["side"] for r in records if r["model"] == c["model"]}
         if {"check", "jremat_baseline", "jremat_floor"} <= have:
             model = sweep_cell(c["family"], c["sizes"])
