@@ -4,6 +4,9 @@
     python benchmarks/vs_pytorch.py --quick                          # budgets 0.1, 0.5, 1.0
     python benchmarks/vs_pytorch.py --pytorch-from benchmarks/results/vs_pytorch.jsonl
         # jremat's side only, at the PyTorch points of an earlier run (no torch needed)
+    python benchmarks/vs_pytorch.py --sweep [--cell NAME --append]
+        # the GPT and MLP size sweep (`SWEEP`) at budgets 0.1/0.2/0.3/0.5: one table of cells,
+        # jremat/PyTorch extra matmul FLOPs per cell, its median and worst per family
 
 `pip install -e ".[bench]"` adds torch (CPU); torch is never a dependency of jremat.
 
@@ -950,7 +953,7 @@ Written by `benchmarks/vs_pytorch.py --sweep` (its docstring has the method; the
 those of `vs_pytorch.md`). PyTorch {torch} (CPU, `torch.compile` with inductor,
 `torch._functorch.config.activation_memory_budget` at {budgets}); jax {jax}. Each cell is one
 model size (weights and batch drawn from the factory's fixed seed) at one PyTorch budget;
-jremat is asked for PyTorch's compiled-step temp there. **ratio** is jremat's extra matmul
+jremat is asked for PyTorch's peak temp there. **ratio** is jremat's extra matmul
 FLOPs over PyTorch's at that memory, defined where PyTorch recomputes matmuls (extra > 0); the
 median and worst are taken over those cells (a cell jremat cannot reach counts as worst).
 """
