@@ -2,6 +2,7 @@
 
     python benchmarks/compile_budget.py          # writes results/compile_budget_jax<ver>.md
     python benchmarks/compile_budget.py --quick  # two cells, one budget (a smoke run)
+    python benchmarks/compile_budget.py --rows-from F  # the tables of a run's JSON lines
 
 For each cell (a GPT decoder and a residual MLP, `benchmarks/vs_pytorch.py`'s JAX side, over
 depth, width and batch x sequence; seeds fixed) and memory budget (0.4 and 0.6 of the
@@ -140,9 +141,16 @@ def cells_table(rows: list[dict]) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument(
+        "--rows-from", help="JSON lines of an earlier run's rows (its stdout): tables only"
+    )
     args = ap.parse_args()
     cells, budgets = (QUICK, (0.5,)) if args.quick else (CELLS, BUDGETS)
-    rows = [r for fam, builder, kw in cells for r in run_cell(fam, builder, kw, budgets)]
+    if args.rows_from:
+        with open(args.rows_from) as f:
+            rows = [json.loads(line) for line in f if line.startswith("{")]
+    else:
+        rows = [r for fam, builder, kw in cells for r in run_cell(fam, builder, kw, budgets)]
     ver = jax.__version__
     text = (
         f"# Compile budgets: plan quality over size sweeps (jax {ver}, XLA:CPU)\n\n"

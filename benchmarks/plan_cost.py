@@ -5,6 +5,7 @@
     python benchmarks/plan_cost.py --json F     # also write the rows as JSON lines to F
     python benchmarks/plan_cost.py --depth      # trace + solve without compiles, by depth
     python benchmarks/plan_cost.py --full-search  # without the best-first search: the "before"
+    python benchmarks/plan_cost.py --compile-budgets none,3,4,6   # a row per compile budget
 
 Per cell (a model at a budget) in a fresh process per model:
 
@@ -26,7 +27,10 @@ Per cell (a model at a budget) in a fresh process per model:
   verification (issue 29's yardstick: at most 1.25 as a geometric mean, 1.5 in a cell);
 * `extra FLOPs`: the plan's compiled FLOPs (`Plan.measured_flops`) over the unrematerialized
   program's (`jremat.measure`), minus 1; `fits`: its compiled temp bytes
-  (`Plan.measured_temp_bytes`) meet the budget.
+  (`Plan.measured_temp_bytes`) meet the budget;
+* `compile budget`: `jremat.auto(..., compile_budget=N)` (`none`: the unlimited search), one
+  row per compile budget of `--compile-budgets`; `vs unlimited` is the row's extra FLOPs minus
+  the unlimited search's at the same model and budget (points), where both ran.
 
 Ratios are reported because the machine may be loaded by other work: both calls of a ratio
 run in one process, minutes apart at most. Runs against another checkout with
@@ -93,9 +97,11 @@ def _search_mode() -> None:
 FULL_SEARCH_ENV = "JREMAT_BENCH_FULL_SEARCH"
 
 
-def _cell(name: str, budgets: list[float], plan_dir: str) -> Iterator[dict]:
-    """Measure one model in this process: the plain step, then auto at each budget (a row per
-    budget as soon as it is measured)."""
+def _cell(
+    name: str, budgets: list[float], plan_dir: str, compile_budgets: list[int | None]
+) -> Iterator[dict]:
+    """Measure one model in this process: the plain step, then auto at each budget and
+    compile budget (a row per cell as soon as it is measured)."""
     import jax
 
     _search_mode()
@@ -131,19 +137,22 @@ def _cell(name: str, budgets: list[float], plan_dir: str) -> Iterator[dict]:
 
     plain = first_call(loss)
     base = jremat.measure(loss, params, batch)
-    for b in budgets:
+    for b, cb in [(b, cb) for b in budgets for cb in compile_budgets]:
         spans.clear()
-        wrapped = jremat.auto(loss, budget=b, plan_dir=os.path.join(plan_dir, str(b)))
+        wrapped = jremat.auto(
+            loss, budget=b, compile_budget=cb, plan_dir=os.path.join(plan_dir, f"{b}-{cb}")
+        )
         try:
             seconds = first_call(wrapped)
         except jremat.InfeasibleBudgetError as e:
-            yield {"model": name, "budget": b, "infeasible": str(e)[:80]}
+            yield {"model": name, "budget": b, "compile_budget": cb, "infeasible": str(e)[:80]}
             continue
         (p,) = wrapped.plans.values()
         yield (
             {
                 "model": name,
                 "budget": b,
+                "compile_budget": cb,
                 "compiles": len(spans),
                 "compile_s": wall(spans),
                 "other_s": seconds - wall(spans),
@@ -157,7 +166,9 @@ def _cell(name: str, budgets: list[float], plan_dir: str) -> Iterator[dict]:
         )
 
 
-def _warm(name: str, budgets: list[float], plan_dir: str) -> Iterator[dict]:
+def _warm(
+    name: str, budgets: list[float], plan_dir: str, compile_budgets: list[int | None]
+) -> Iterator[dict]:
     """A new process with the plans on disk: auto's first call over the plain step's (a row
     per budget as soon as it is measured)."""
     import jax
@@ -174,8 +185,10 @@ def _warm(name: str, budgets: list[float], plan_dir: str) -> Iterator[dict]:
         return time.perf_counter() - t0
 
     plain = first_call(loss)
-    for b in budgets:
-        wrapped = jremat.auto(loss, budget=b, plan_dir=os.path.join(plan_dir, str(b)))
+    for b, cb in [(b, cb) for b in budgets for cb in compile_budgets]:
+        wrapped = jremat.auto(
+            loss, budget=b, compile_budget=cb, plan_dir=os.path.join(plan_dir, f"{b}-{cb}")
+        )
         try:
             seconds = first_call(wrapped)
         except jremat.InfeasibleBudgetError:
@@ -185,6 +198,7 @@ def _warm(name: str, budgets: list[float], plan_dir: str) -> Iterator[dict]:
             {
                 "model": name,
                 "budget": b,
+                "compile_budget": cb,
                 "warm_ratio": seconds / plain,
                 **{
                     key: (seconds + _verify_seconds(loss, params, batch, p, parts)) / plain
@@ -231,7 +245,7 @@ def _verify_seconds(loss, params, batch, plan, parts: str = "all") -> float:
 DEPTH_MODELS = tuple(f"{kind}:{n}" for kind in ("gpt2", "scan") for n in (6, 12, 24, 48))
 
 
-def _depth(name: str, budgets: list[float], plan_dir: str) -> list[dict]:
+def _depth(name: str, budgets: list[float], plan_dir: str, compile_budgets=()) -> list[dict]:
     """Seconds to trace the program, build the cost model, and plan at each budget (of the
     model's own unrematerialized peak) without compiling anything: what planning costs
     besides XLA, by depth."""
@@ -273,10 +287,13 @@ def depth_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def _child(mode: str, name: str, budgets: list[float], plan_dir: str) -> list[dict]:
+def _child(
+    mode: str, name: str, budgets: list[float], plan_dir: str, compile_budgets=(None,)
+) -> list[dict]:
     """Run `mode` for `name` in a new process; its rows, each also echoed to stderr as it
     arrives (a run stopped by a time limit keeps the rows measured so far in its log)."""
     args = [sys.executable, __file__, "--child", mode, name, ",".join(map(str, budgets)), plan_dir]
+    args.append(",".join("none" if cb is None else str(cb) for cb in compile_budgets))
     rows = []
     # stderr to a file: a pipe read only at the end could fill and stall the child
     with tempfile.TemporaryFile("w+") as err:
@@ -292,47 +309,85 @@ def _child(mode: str, name: str, budgets: list[float], plan_dir: str) -> list[di
 
 
 def table(rows: list[dict]) -> str:
+    unlimited = {
+        (r["model"], r["budget"]): r["extra_flops"]
+        for r in rows
+        if r.get("compile_budget") is None and "extra_flops" in r
+    }
+    for r in rows:
+        if "extra_flops" in r and (r["model"], r["budget"]) in unlimited:
+            r["vs_unlimited"] = 100 * (r["extra_flops"] - unlimited[(r["model"], r["budget"])])
     lines = [
-        "| model | budget | compiles | compile s | other s | ratio | warm ratio | floor ratio "
-        "| first call / floor | floor, no grad check | floor, plan only | extra FLOPs | fits |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| model | budget | compile budget | compiles | compile s | other s | ratio | warm ratio "
+        "| floor ratio | first call / floor | floor, no grad check | floor, plan only "
+        "| extra FLOPs | vs unlimited (points) | fits |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
 
-    def cell(r: dict, key: str) -> str:
-        return f"{r[key]:.2f}" if key in r else "-"
+    def cell(r: dict, key: str, fmt: str = "{:.2f}") -> str:
+        return fmt.format(r[key]) if key in r else "-"
+
+    def cb(r: dict) -> str:
+        return "none" if r.get("compile_budget") is None else str(r["compile_budget"])
 
     for r in rows:
         if "infeasible" in r:
-            lines.append(f"| {r['model']} | {r['budget']} | infeasible |" + " |" * 10)
+            lines.append(f"| {r['model']} | {r['budget']} | {cb(r)} | infeasible |" + " |" * 11)
             continue
         lines.append(
-            f"| {r['model']} | {r['budget']} | {r['compiles']} | {r['compile_s']:.1f} | "
-            f"{r['other_s']:.1f} | {r['ratio']:.1f} | {cell(r, 'warm_ratio')} | "
-            f"{cell(r, 'floor_ratio')} | {cell(r, 'over_floor')} | "
-            f"{cell(r, 'floor_no_grad_ratio')} | "
-            f"{cell(r, 'floor_plan_ratio')} | {100 * r['extra_flops']:.2f}% "
+            f"| {r['model']} | {r['budget']} | {cb(r)} | {r['compiles']} | "
+            f"{r['compile_s']:.1f} | {r['other_s']:.1f} | {r['ratio']:.1f} | "
+            f"{cell(r, 'warm_ratio')} | {cell(r, 'floor_ratio')} | {cell(r, 'over_floor')} | "
+            f"{cell(r, 'floor_no_grad_ratio')} | {cell(r, 'floor_plan_ratio')} | "
+            f"{100 * r['extra_flops']:.2f}% | {cell(r, 'vs_unlimited', '{:+.2f}')} "
             f"| {'yes' if r['fits'] else 'NO'} |"
         )
-    for key, what in (
-        ("ratio", "auto's first call / plain first call"),
-        ("warm_ratio", "warm plan cache (new process)"),
-        ("floor_ratio", "floor (the plan known, only verified)"),
-        ("over_floor", "auto's first call / floor (goal 1.25, each cell 1.5)"),
-        ("floor_no_grad_ratio", "floor without the jit(grad) check"),
-        ("floor_plan_ratio", "floor with the plan's step alone compiled"),
-    ):
-        values = [r[key] for r in rows if key in r]
-        if values:
-            gm = math.exp(sum(map(math.log, values)) / len(values))
-            lines.append(f"geometric mean, {what}: {gm:.2f}")
+    for group in sorted({cb(r) for r in rows}, key=lambda g: (g == "none", g.zfill(4))):
+        sub = [r for r in rows if cb(r) == group]
+        lines.append(f"\ncompile budget {group}:")
+        for key, what in (
+            ("ratio", "auto's first call / plain first call"),
+            ("warm_ratio", "warm plan cache (new process)"),
+            ("floor_ratio", "floor (the plan known, only verified)"),
+            ("over_floor", "auto's first call / floor (goal 1.25, each cell 1.5)"),
+            ("floor_no_grad_ratio", "floor without the jit(grad) check"),
+            ("floor_plan_ratio", "floor with the plan's step alone compiled"),
+        ):
+            values = [r[key] for r in sub if key in r]
+            if values:
+                gm = math.exp(sum(map(math.log, values)) / len(values))
+                lines.append(f"- geometric mean, {what}: {gm:.2f}")
+        pairs = [
+            (1 + r["extra_flops"], 1 + unlimited[(r["model"], r["budget"])])
+            for r in sub
+            if "extra_flops" in r and (r["model"], r["budget"]) in unlimited
+        ]
+        if pairs and group != "none":
+            gm = math.exp(sum(math.log(a / b) for a, b in pairs) / len(pairs))
+            diffs = sorted(100 * (a - b) for a, b in pairs)
+            lines.append(
+                f"- extra FLOPs vs the unlimited search: geometric mean {100 * (gm - 1):+.2f}, "
+                f"median {diffs[len(diffs) // 2]:+.2f}, worst {diffs[-1]:+.2f} points"
+            )
+        spent = [r["compiles"] for r in sub if "compiles" in r]
+        if spent:
+            lines.append(
+                f"- compiles spent: at most {max(spent)}; every plan fits: "
+                f"{all(r['fits'] for r in sub if 'fits' in r)}"
+            )
     return "\n".join(lines)
+
+
+def _cbs(text: str) -> list[int | None]:
+    """`--compile-budgets`' list: ints, `none` for the unlimited search."""
+    return [None if t.strip().lower() == "none" else int(t) for t in text.split(",")]
 
 
 def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] == "--child":
-        mode, name, budgets, plan_dir = sys.argv[2:6]
+        mode, name, budgets, plan_dir, cbs = sys.argv[2:7]
         fn = {"cold": _cell, "warm": _warm, "depth": _depth}[mode]
-        for row in fn(name, [float(b) for b in budgets.split(",")], plan_dir):
+        for row in fn(name, [float(b) for b in budgets.split(",")], plan_dir, _cbs(cbs)):
             print(json.dumps(row), flush=True)
         return
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -344,6 +399,11 @@ def main() -> None:
     ap.add_argument("--depth", action="store_true", help="trace + solve without compiles, by depth")
     ap.add_argument(
         "--full-search", action="store_true", help="jremat.plan's full search only (the before)"
+    )
+    ap.add_argument(
+        "--compile-budgets",
+        default="none",
+        help="comma-separated compile budgets of auto, 'none' the unlimited search (a row each)",
     )
     a = ap.parse_args()
     if a.full_search:
@@ -359,20 +419,27 @@ def main() -> None:
         return
     models = a.models.split(",") if a.models else (FULL_MODELS if a.full else DEFAULT_MODELS)
     budgets = [float(b) for b in a.budgets.split(",")]
+    cbs = _cbs(a.compile_budgets)
     rows: list[dict] = []
-    for name in models:
+    # a process per model and compile budget: the first `auto` of a process pays jremat's
+    # own warm-up (imports, first traces), which one compile budget must not pay for another
+    for name, cb in [(name, cb) for name in models for cb in cbs]:
         with tempfile.TemporaryDirectory(prefix="jremat-plan-cost-") as plan_dir:
-            cold = _child("cold", name, budgets, plan_dir)
+            cold = _child("cold", name, budgets, plan_dir, [cb])
             warm = (
                 {}
                 if a.no_warm
-                else {r["budget"]: r for r in _child("warm", name, budgets, plan_dir)}
+                else {
+                    (r["budget"], r.get("compile_budget")): r
+                    for r in _child("warm", name, budgets, plan_dir, [cb])
+                }
             )
         for r in cold:
-            if r["budget"] in warm:
-                r["warm_ratio"] = warm[r["budget"]]["warm_ratio"]
+            key = (r["budget"], r.get("compile_budget"))
+            if key in warm:
+                r["warm_ratio"] = warm[key]["warm_ratio"]
                 for k in FLOORS:
-                    r[k] = warm[r["budget"]][k]
+                    r[k] = warm[key][k]
                 # what the search adds to its answer's own verification (issue 29)
                 r["over_floor"] = r["ratio"] / r["floor_ratio"]
             rows.append(r)

@@ -281,10 +281,10 @@ def test_the_aimed_search_hands_over_where_its_model_misreads_the_program(
 def test_a_recipe_that_recomputes_nothing_ends_the_search_after_the_aimed_search_hands_over(
     decoder, aimed, monkeypatch
 ):
-    """Under a compile budget the recipe that saves the most is compiled only once the aimed
-    search hands over (before, it would be one more compile of the budget in every call);
+    """Under a compile budget that leaves the aimed search fewer than two plans besides it
+    (4), the recipe that saves the most is compiled only once the aimed search hands over;
     where it recomputes nothing it is returned then, before the full search compiles
-    anything."""
+    anything. (From 5 compiles up it compiles with the baseline: test_compile_budget.py.)"""
     from jremat._src.search import mixing
 
     monkeypatch.setattr(predicted, "FIT_SCALE_LIMIT", 1.0)  # hand over without compiling
@@ -293,7 +293,28 @@ def test_a_recipe_that_recomputes_nothing_ends_the_search_after_the_aimed_search
     recipe = mixing.most_saving_plan(prog)
     _count_baseline_flops_for(recipe, base.flops, monkeypatch)
     target = 1.02 * max(prog.compile(recipe).temp_bytes, prog.grad_step_temp(recipe))
-    plan = solve(prog, parse_budget(target / base.temp_bytes), solver=M.SOLVER, compile_budget=6)
+    plan = solve(prog, parse_budget(target / base.temp_bytes), solver=M.SOLVER, compile_budget=4)
     assert not aimed[0].trusted
     assert plan.solver == recipe.solver and prog.compiles == 2
+    assert plan.measured_flops == base.flops
+
+
+def test_from_five_compiles_the_recipe_compiles_with_the_baseline_and_ends_the_search(
+    decoder, aimed, monkeypatch
+):
+    """Where a compile budget leaves the aimed search two plans besides it, the recipe that
+    saves the most compiles with the baseline, as without a budget; where it fits and
+    recomputes nothing, the search ends there at 3 compiles, no aimed plan compiled (plan_cost's
+    residual MLP at 0.3-0.7, aimed first: all 6 compiles spent for the recipe's FLOPs)."""
+    from jremat._src.search import mixing
+
+    probe = Program(decoder.loss, decoder.args, 0)
+    base = probe.baseline
+    recipe = mixing.most_saving_plan(probe)
+    _count_baseline_flops_for(recipe, base.flops, monkeypatch)
+    target = 1.02 * max(probe.compile(recipe).temp_bytes, probe.grad_step_temp(recipe))
+    prog = Program(decoder.loss, decoder.args, 0)
+    plan = solve(prog, parse_budget(target / base.temp_bytes), solver=M.SOLVER, compile_budget=5)
+    assert plan.solver == recipe.solver and plan.compiles == 3
+    assert not aimed  # the aimed search never ran
     assert plan.measured_flops == base.flops

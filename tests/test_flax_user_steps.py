@@ -194,31 +194,40 @@ def test_linen_loss_holds_on_the_users_grad_and_train_steps(linen_setup, tmp_pat
 
 
 def test_linen_block_class_gradients_and_monotone_step(linen_setup):
-    """`jremat.auto` on the block class bounds what each block keeps, not the step; the
-    user's step still falls (or stays) as the budget falls, and its gradients are exact."""
+    """`jremat.auto` on the block class bounds what each block keeps, not the step: what each
+    block keeps falls as the budget falls (the figure jremat compiles and can see), the
+    user's step stays below its unrematerialized temp, and its gradients are exact."""
     params, _, batch, key = linen_setup
     base = temp_bytes(linen_grad_step(no_remat, Decoder()), params, batch, key)
     want = linen_grad_step(no_remat, Decoder())(params, batch, key)
-    temps = []
+    temps, kept = [], []
+
+    def planned(budget):
+        block = jremat.auto(DecoderBlock, budget=budget, plan_dir=False)
+        step = linen_grad_step(no_remat, Decoder(block=block))
+        got = temp_bytes(step, params, batch, key)
+        (plan,) = block.plan_cache.plans.values()
+        return step, got, plan
+
     for budget in BUDGETS:
         try:
-            model = Decoder(block=jremat.auto(DecoderBlock, budget=budget, plan_dir=False))
-            step = linen_grad_step(no_remat, model)
-            got = temp_bytes(step, params, batch, key)
+            step, got, plan = planned(budget)
         except jremat.InfeasibleBudgetError as e:  # what each block keeps cannot go lower
             assert e.smallest_reachable > budget, (budget, e.smallest_reachable)
-            at = e.smallest_reachable
-            model = Decoder(block=jremat.auto(DecoderBlock, budget=at, plan_dir=False))
-            step = linen_grad_step(no_remat, model)
-            got = temp_bytes(step, params, batch, key)
+            step, got, plan = planned(e.smallest_reachable)
         temps.append(got)
+        kept.append(plan.measured_temp_bytes)
+        assert plan.measured_temp_bytes <= plan.budget * plan.baseline_temp_bytes, plan.budget
         chex.assert_trees_all_close(step(params, batch, key), want, rtol=1e-5, atol=1e-6)
-    assert temps[0] <= base, (temps, base)
+    assert kept == sorted(kept, reverse=True), kept
+    assert max(temps) <= base, (temps, base)
     if temps[1] > temps[0]:
-        # measured (jax 0.12, this config): [34304, 25536, 26624] of 60928: 0.3 is refused,
-        # and its smallest_reachable, a block keeping fewer bytes than at 0.5, compiles the
-        # user's step higher; a block's budget is measured on the block's own programs, not on
-        # the step (docs/design.md#flax-blocks): the search's to fix, not the frontend's
+        # measured (jax 0.12, this config): [25536, 26624] of 60928: 0.3 is refused, and its
+        # smallest_reachable, a block keeping fewer bytes at fewer FLOPs than the plan at 0.5,
+        # compiles the user's two-block step higher: in so shallow a stack the last block's
+        # backward pass, not what the blocks keep, sets the step's peak, and jremat plans a
+        # block on its own programs, not on the step it is called from (docs/design.md#flax-
+        # blocks; a 6-block stack at width 64 was monotone at 0.7, 0.5, 0.3 and 0.2)
         pytest.xfail(f"block budget 0.3 (its smallest_reachable) compiles the step higher: {temps}")
 
 

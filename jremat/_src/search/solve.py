@@ -329,15 +329,25 @@ def _search(
     # the recipe that may need no recompute: tried whenever the target is below the baseline
     # (not only where `_likely_below` guessed so), so that where the search ends does not
     # depend on the guess (byte budgets of sharded programs, a model an earlier search fitted)
-    # (after the aimed search where it hands over: compiled up front, it would be one more
-    # compile of a budget in every call where it does not end the search)
+    # (under a compile budget of what verification needs alone, after the aimed search
+    # where it hands over: compiled up front, it would leave the aimed search no plan)
     aimed = best_first and not prog.has_scan
     eligible = (
         verify and (aimed or not best_first) and offload is None and solver in BEST_FIRST_SOLVERS
     )
     first = mixing.most_saving_plan(prog) if NO_RECOMPUTE_FIRST and eligible else None
+    # under a compile budget that leaves the aimed search two plans and a check besides it,
+    # the recipe is compiled with the baseline, as without a budget: where it fits, it ends
+    # the search at the fewest compiles and recomputes nothing (plan_cost's residual MLP at
+    # 0.3-0.7, aimed first: 6 compiles spent for the recipe's FLOPs). Below that the aimed
+    # plans go first: the recipe rarely fits a GPT, and one aimed plan fewer costs it FLOPs
+    recipe_first = (
+        aimed
+        and first is not None
+        and prog.compiles_left >= prog.verification_compiles() + 2 * prog.step_compiles
+    )
     try:
-        if verify and not best_first:
+        if verify and (not best_first or recipe_first):
             _compile_baseline(prog, spec, first, lambda: prog.planner(solver, max_cuts, offload))
         base = prog.baseline
     except CompileBudgetSpent:
@@ -352,7 +362,7 @@ def _search(
         return prog.record(p.annotate(prog.graph), base)
     if (
         first is not None
-        and not aimed
+        and (not aimed or recipe_first)
         and (found := _no_recompute(prog, target, first, meta, solver))
     ):
         return found
@@ -361,7 +371,12 @@ def _search(
         found, carried = _best_first(prog, target, meta, score, solver, max_cuts)
         if found is not None:
             return found
-    if first is not None and aimed and (found := _no_recompute(prog, target, first, meta, solver)):
+    if (
+        first is not None
+        and aimed
+        and not recipe_first
+        and (found := _no_recompute(prog, target, first, meta, solver))
+    ):
         return found
     # (with an offload cost too: its plans offload nothing, and are candidates of any search)
     if verify and not best_first and not prog.has_scan and solver in BEST_FIRST_SOLVERS:
