@@ -48,6 +48,15 @@ BEST_FIRST_LOOPS = True
 #: reference plans, rounds and mixes are not compiled (docs/design.md#best-first-search).
 NO_RECOMPUTE_FIRST = True
 
+#: Under a compile budget, the recipe of `NO_RECOMPUTE_FIRST` compiles with the baseline,
+#: before the aimed search, where the budget leaves that search this many plans besides it
+#: (a plain loss: 6 compiles and up); below, after the aimed search hands over. Where it fits
+#: it ends the search at 3 compiles (plan_cost's residual MLP at 0.3-0.7, aimed first: all 6
+#: compiles spent for the recipe's FLOPs); where it does not, it is an aimed plan fewer: the
+#: tests' 4-layer MLP chain at 0.6, met by the third aimed plan at 5 compiles, was refused
+#: with the recipe first at 5.
+RECIPE_FIRST_AIMS = 3
+
 #: The solvers the best-first search runs for: the exact ones ("auto" picks one of them).
 BEST_FIRST_SOLVERS = ("auto", "chain", "milp")
 #: The full search also compiles the plan of the model fitted to the baseline alone, aimed at
@@ -267,7 +276,8 @@ def solve(
     1. `_compile_baseline`: the unrematerialized step (the target of a fraction), in one
        parallel batch with what the next stage needs first;
     2. `_no_recompute`: the recipe that saves the most, returned where it recomputes nothing
-       (after stage 3 under a compile budget, where stage 3 is the aimed search);
+       (under a compile budget where stage 3 is the aimed search: first where the budget
+       leaves that search `RECIPE_FIRST_AIMS` plans besides it, else after it);
     3. `_best_first`: the best-first search (search/predicted.py): loop settings for scan
        programs; under a compile budget, plans aimed at the target for the others;
     4. the full search: (a) `_calibrate` (reference plans, the cost model fitted to them),
@@ -336,15 +346,13 @@ def _search(
         verify and (aimed or not best_first) and offload is None and solver in BEST_FIRST_SOLVERS
     )
     first = mixing.most_saving_plan(prog) if NO_RECOMPUTE_FIRST and eligible else None
-    # under a compile budget that leaves the aimed search two plans and a check besides it,
-    # the recipe is compiled with the baseline, as without a budget: where it fits, it ends
-    # the search at the fewest compiles and recomputes nothing (plan_cost's residual MLP at
-    # 0.3-0.7, aimed first: 6 compiles spent for the recipe's FLOPs). Below that the aimed
-    # plans go first: the recipe rarely fits a GPT, and one aimed plan fewer costs it FLOPs
+    # under a compile budget that leaves the aimed search `RECIPE_FIRST_AIMS` plans and a
+    # check besides it, the recipe is compiled with the baseline, as without a budget
     recipe_first = (
         aimed
         and first is not None
-        and prog.compiles_left >= prog.verification_compiles() + 2 * prog.step_compiles
+        and prog.compiles_left
+        >= prog.verification_compiles() + RECIPE_FIRST_AIMS * prog.step_compiles
     )
     try:
         if verify and (not best_first or recipe_first):
