@@ -344,7 +344,7 @@ def table(rows: list[dict]) -> str:
         )
     for group in sorted({cb(r) for r in rows}, key=lambda g: (g == "none", g.zfill(4))):
         sub = [r for r in rows if cb(r) == group]
-        lines.append(f"\ncompile budget {group}:")
+        lines.append(f"\ncompile budget {group}:\n")
         for key, what in (
             ("ratio", "auto's first call / plain first call"),
             ("warm_ratio", "warm plan cache (new process)"),
