@@ -97,11 +97,24 @@ def _search_mode() -> None:
 FULL_SEARCH_ENV = "JREMAT_BENCH_FULL_SEARCH"
 
 
+def _auto(loss, budget: float, compile_budget: int | None, plan_dir: str):
+    """`jremat.auto` of `loss` at one cell, its plans in a folder of that cell's own (so the
+    warm process reads the plan of the same budget and compile budget)."""
+    import jremat
+
+    return jremat.auto(
+        loss,
+        budget=budget,
+        compile_budget=compile_budget,
+        plan_dir=os.path.join(plan_dir, f"{budget}-{compile_budget}"),
+    )
+
+
 def _cell(
-    name: str, budgets: list[float], plan_dir: str, compile_budgets: list[int | None]
+    name: str, budgets: list[float], plan_dir: str, compile_budget: int | None
 ) -> Iterator[dict]:
-    """Measure one model in this process: the plain step, then auto at each budget and
-    compile budget (a row per cell as soon as it is measured)."""
+    """Measure one model in this process: the plain step, then auto at each budget under
+    `compile_budget` (a row per budget as soon as it is measured)."""
     import jax
 
     _search_mode()
@@ -137,11 +150,10 @@ def _cell(
 
     plain = first_call(loss)
     base = jremat.measure(loss, params, batch)
-    for b, cb in [(b, cb) for b in budgets for cb in compile_budgets]:
+    cb = compile_budget
+    for b in budgets:
         spans.clear()
-        wrapped = jremat.auto(
-            loss, budget=b, compile_budget=cb, plan_dir=os.path.join(plan_dir, f"{b}-{cb}")
-        )
+        wrapped = _auto(loss, b, cb, plan_dir)
         try:
             seconds = first_call(wrapped)
         except jremat.InfeasibleBudgetError as e:
@@ -167,7 +179,7 @@ def _cell(
 
 
 def _warm(
-    name: str, budgets: list[float], plan_dir: str, compile_budgets: list[int | None]
+    name: str, budgets: list[float], plan_dir: str, compile_budget: int | None
 ) -> Iterator[dict]:
     """A new process with the plans on disk: auto's first call over the plain step's (a row
     per budget as soon as it is measured)."""
@@ -185,10 +197,8 @@ def _warm(
         return time.perf_counter() - t0
 
     plain = first_call(loss)
-    for b, cb in [(b, cb) for b in budgets for cb in compile_budgets]:
-        wrapped = jremat.auto(
-            loss, budget=b, compile_budget=cb, plan_dir=os.path.join(plan_dir, f"{b}-{cb}")
-        )
+    for b in budgets:
+        wrapped = _auto(loss, b, compile_budget, plan_dir)
         try:
             seconds = first_call(wrapped)
         except jremat.InfeasibleBudgetError:
@@ -198,7 +208,7 @@ def _warm(
             {
                 "model": name,
                 "budget": b,
-                "compile_budget": cb,
+                "compile_budget": compile_budget,
                 "warm_ratio": seconds / plain,
                 **{
                     key: (seconds + _verify_seconds(loss, params, batch, p, parts)) / plain
@@ -245,7 +255,7 @@ def _verify_seconds(loss, params, batch, plan, parts: str = "all") -> float:
 DEPTH_MODELS = tuple(f"{kind}:{n}" for kind in ("gpt2", "scan") for n in (6, 12, 24, 48))
 
 
-def _depth(name: str, budgets: list[float], plan_dir: str, compile_budgets=()) -> list[dict]:
+def _depth(name: str, budgets: list[float], plan_dir: str, compile_budget=None) -> list[dict]:
     """Seconds to trace the program, build the cost model, and plan at each budget (of the
     model's own unrematerialized peak) without compiling anything: what planning costs
     besides XLA, by depth."""
@@ -288,12 +298,12 @@ def depth_table(rows: list[dict]) -> str:
 
 
 def _child(
-    mode: str, name: str, budgets: list[float], plan_dir: str, compile_budgets=(None,)
+    mode: str, name: str, budgets: list[float], plan_dir: str, compile_budget: int | None = None
 ) -> list[dict]:
     """Run `mode` for `name` in a new process; its rows, each also echoed to stderr as it
     arrives (a run stopped by a time limit keeps the rows measured so far in its log)."""
     args = [sys.executable, __file__, "--child", mode, name, ",".join(map(str, budgets)), plan_dir]
-    args.append(",".join("none" if cb is None else str(cb) for cb in compile_budgets))
+    args.append(str(compile_budget).lower())  # "none": the unlimited search
     rows = []
     # stderr to a file: a pipe read only at the end could fill and stall the child
     with tempfile.TemporaryFile("w+") as err:
@@ -385,9 +395,9 @@ def _cbs(text: str) -> list[int | None]:
 
 def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] == "--child":
-        mode, name, budgets, plan_dir, cbs = sys.argv[2:7]
+        mode, name, budgets, plan_dir, cb = sys.argv[2:7]
         fn = {"cold": _cell, "warm": _warm, "depth": _depth}[mode]
-        for row in fn(name, [float(b) for b in budgets.split(",")], plan_dir, _cbs(cbs)):
+        for row in fn(name, [float(b) for b in budgets.split(",")], plan_dir, *_cbs(cb)):
             print(json.dumps(row), flush=True)
         return
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -425,13 +435,13 @@ def main() -> None:
     # own warm-up (imports, first traces), which one compile budget must not pay for another
     for name, cb in [(name, cb) for name in models for cb in cbs]:
         with tempfile.TemporaryDirectory(prefix="jremat-plan-cost-") as plan_dir:
-            cold = _child("cold", name, budgets, plan_dir, [cb])
+            cold = _child("cold", name, budgets, plan_dir, cb)
             warm = (
                 {}
                 if a.no_warm
                 else {
                     (r["budget"], r.get("compile_budget")): r
-                    for r in _child("warm", name, budgets, plan_dir, [cb])
+                    for r in _child("warm", name, budgets, plan_dir, cb)
                 }
             )
         for r in cold:

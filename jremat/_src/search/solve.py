@@ -338,24 +338,22 @@ def _search(
     )
     # the recipe that may need no recompute: tried whenever the target is below the baseline
     # (not only where `_likely_below` guessed so), so that where the search ends does not
-    # depend on the guess (byte budgets of sharded programs, a model an earlier search fitted)
-    # (under a compile budget of what verification needs alone, after the aimed search
-    # where it hands over: compiled up front, it would leave the aimed search no plan)
+    # depend on the guess (byte budgets of sharded programs, a model an earlier search fitted);
+    # early (compiled with the baseline), except under a compile budget that would leave the
+    # aimed search fewer than `RECIPE_FIRST_AIMS` plans besides it: there after that search
+    # hands over (compiled up front, it would be an aimed plan fewer)
     aimed = best_first and not prog.has_scan
     eligible = (
         verify and (aimed or not best_first) and offload is None and solver in BEST_FIRST_SOLVERS
     )
     first = mixing.most_saving_plan(prog) if NO_RECOMPUTE_FIRST and eligible else None
-    # under a compile budget that leaves the aimed search `RECIPE_FIRST_AIMS` plans and a
-    # check besides it, the recipe is compiled with the baseline, as without a budget
-    recipe_first = (
-        aimed
-        and first is not None
-        and prog.compiles_left
+    recipe_early = first is not None and (
+        not aimed
+        or prog.compiles_left
         >= prog.verification_compiles() + RECIPE_FIRST_AIMS * prog.step_compiles
     )
     try:
-        if verify and (not best_first or recipe_first):
+        if verify and (not best_first or recipe_early):
             _compile_baseline(prog, spec, first, lambda: prog.planner(solver, max_cuts, offload))
         base = prog.baseline
     except CompileBudgetSpent:
@@ -368,11 +366,7 @@ def _search(
         p = Plan.identity(prog.graph, **meta)
         p.predicted_temp_bytes = base.temp_bytes
         return prog.record(p.annotate(prog.graph), base)
-    if (
-        first is not None
-        and (not aimed or recipe_first)
-        and (found := _no_recompute(prog, target, first, meta, solver))
-    ):
+    if recipe_early and (found := _no_recompute(prog, target, first, meta, solver)):
         return found
     carried: list[tuple[Plan, Compiled]] = []  # what the best-first search compiled
     if best_first:
@@ -381,8 +375,7 @@ def _search(
             return found
     if (
         first is not None
-        and aimed
-        and not recipe_first
+        and not recipe_early
         and (found := _no_recompute(prog, target, first, meta, solver))
     ):
         return found
