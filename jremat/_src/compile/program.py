@@ -112,6 +112,12 @@ class Objective:
     (`jremat._src.compile.blocks.KeptBytes` is the objective of a Flax block.)
     """
 
+    #: Whether the full search compiles its floor plans (`solve._ladder`: the planner's
+    #: plans just above the model's minimum, which do not depend on the target) at every
+    #: budget, not only where no reference plan fits. Off for a loss: three compiles of
+    #: the whole step each time, for plans that recompute the most.
+    floor_plans_always = False
+
     def step_fn(self, prog: Program, plan: Plan | None) -> Callable[..., Any]:
         """The scalar function whose `value_and_grad` is compiled for `plan` (None: no remat)."""
         if plan is None or plan.is_identity:

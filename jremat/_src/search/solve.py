@@ -674,6 +674,10 @@ def _choose(
             found.offer(p, c, copied=True)
     if target < min(c.temp_bytes for _, c in [*cal.anchors, *found.stage["floor"]]):
         _refined(prog, planner, cal, found)
+    if fitting and prog.objective.floor_plans_always:
+        # after the rounds and mixes (their bar and compiles as without them): a floor plan
+        # is returned only where it recomputes less than what they found
+        _ladder(prog, planner, cal, found)
     return found
 
 
