@@ -319,3 +319,28 @@ def test_from_six_compiles_the_recipe_compiles_with_the_baseline_and_ends_the_se
     assert plan.solver == recipe.solver and plan.compiles == 3
     assert not aimed  # the aimed search never ran
     assert plan.measured_flops == base.flops
+
+
+def test_a_compile_budget_too_tight_to_walk_the_loop_policies_compiles_the_floor_first(
+    scanned, monkeypatch
+):
+    """4 compiles leave the loop search two plans: walking the body policies in order spent
+    them on two that compile over 0.45 (`dots_and_transcendentals_saveable` at 0.56,
+    `dots_saveable` at 0.56 of the unrematerialized temp) and refused the budget. The floor
+    (`nothing_saveable`, 0.32) compiles first instead, then the mix the line through the
+    baseline and the floor predicts fits: a plan within the target on both steps, no more
+    FLOPs than the floor's, within the compile budget."""
+    from jremat._src.search import mixing
+
+    monkeypatch.setattr(solve_module, "BEST_FIRST_LOOPS", True)
+    prog = Program(scanned.loss, scanned.args, 0)
+    plan = solve(prog, parse_budget(0.45), solver=M.SOLVER, compile_budget=4)
+    assert plan.compiles == prog.compiles_spent <= 4
+    target = 0.45 * plan.baseline_temp_bytes
+    assert plan.measured_temp_bytes <= target and prog.grad_step_temp(plan) <= target
+    units, build = mixing.loop_family(prog)
+    floor = build([mixing.UNIT_POLICIES[-1]] * units)
+    first = prog.tried[0][0]
+    assert prog.program_key(first) == prog.program_key(floor)
+    assert plan.measured_flops <= prog.compile(floor).flops
+    assert any("predicted temps" in n for n in plan.notes) or plan.solver == floor.solver

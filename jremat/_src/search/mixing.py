@@ -12,7 +12,10 @@ import itertools
 from collections.abc import Callable
 from typing import Any
 
+from jremat import policies as _policies
+from jremat._src.base import compat as _compat
 from jremat._src.plan.plan import KEEP, Plan, ScanPiece, ScanSetting
+from jremat._src.trace import cost_model
 from jremat._src.trace.layers import layer_segments
 
 #: Per-unit choices mixed, from most memory (no remat) to least.
@@ -68,6 +71,21 @@ def loop_family(prog: Any) -> tuple[int, Callable[[list[str]], Plan]] | None:
     if not lengths or max(lengths) <= 1:
         return None
     return max(lengths), lambda pols: scan_mix_plan(graph, pols)
+
+
+def loop_saved_bytes(prog: Any) -> dict[str, int]:
+    """Bytes the top-level scans keep for the backward pass under each of `UNIT_POLICIES` on
+    every iteration, from the trace alone (no compile): the residual table's for `KEEP`,
+    what each policy marks saveable in the bodies for the others (times the lengths)."""
+    scans = [nd.eqn for nd in prog.graph.nodes if nd.primitive == "scan"]
+    out = {KEEP: sum(cost_model.internal_residual_bytes(e) for e in scans)}
+    for pol in UNIT_POLICIES[1:]:
+        out[pol] = sum(
+            _compat.scan_length(e)
+            * cost_model.jaxpr_policy_saved_bytes(e.params["jaxpr"], _policies.get(pol))
+            for e in scans
+        )
+    return out
 
 
 def _families(prog: Any) -> list[tuple[int, Callable[[list[str]], Plan]]]:

@@ -7,6 +7,7 @@ The FLOP and residual tables, and fusion: docs/design.md#tracing-and-the-cost-mo
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -228,6 +229,13 @@ def policy_saved_bytes(eqn: Any) -> int:
     body = eqn.params.get("jaxpr")
     if policy is None or body is None:
         return 0
+    return jaxpr_policy_saved_bytes(body, policy)
+
+
+def jaxpr_policy_saved_bytes(jaxpr: Any, policy: Callable[..., Any]) -> int:
+    """Bytes `jax.checkpoint(policy)` around `jaxpr` saves for the backward pass: the floating
+    outputs of its equations (calls included, scans times their length) `policy` marks
+    saveable (`policy_saved_bytes`' count, for a policy not applied yet)."""
 
     def saved(jaxpr: Any) -> int:
         total = 0
@@ -252,7 +260,7 @@ def policy_saved_bytes(eqn: Any) -> int:
                 )
         return total
 
-    return saved(body)
+    return saved(jaxpr)
 
 
 def jaxpr_residual_bytes(jaxpr: Any) -> int:
