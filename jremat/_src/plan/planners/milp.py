@@ -88,7 +88,6 @@ class MILPPlanner(OnSegmentModel):
         one thread, a fixed random seed and no wall-clock limit (unless `time_limit` is set).
         Raises as `SegmentModel.checked_budget`."""
         import highspy
-        from scipy.sparse import lil_matrix
 
         model_budget = self.model.checked_budget(model_budget)
         if model_budget <= 0:  # the program's bytes are in units of it
@@ -109,48 +108,25 @@ class MILPPlanner(OnSegmentModel):
         if not edges:
             return None
         E = len(edges)
+        ek, ea, eb = np.asarray(edges, dtype=np.int64).T
         # x per edge, then S per cut: bytes stored before the cut over the budget (rows of
         # order 1: in bytes, HiGHS's absolute tolerances misjudged programs of ~1e11 bytes at a
         # budget equal to a plan's peak, returning None or a costlier plan)
         nvar = E + m
         cost = np.zeros(nvar)
-        cost[:E] = [t.cost[k, a, b] for k, a, b in edges]
-        rows = E + 3 * m
-        A = lil_matrix((rows, nvar))
-        lo, hi = np.full(rows, -highspy.kHighsInf), np.zeros(rows)
-        r = 0
-        for i, (k, a, b) in enumerate(edges):
-            A[r, E + a], A[r, i] = 1.0, (t.stored[k, a, b] + t.transient[k, a, b]) / model_budget
-            hi[r] = 1.0  # S[a] + (stored + transient) x <= B, in units of B
-            r += 1
-        ends_by = [[] for _ in range(m)]
-        for i, (k, a, b) in enumerate(edges):
-            ends_by[b].append((i, t.stored[k, a, b]))
-        for cut in range(m):  # S[c] - sum of stores of segments ending at or before c = 0
-            A[r, E + cut] = 1.0
-            for b in range(cut + 1):
-                for i, st in ends_by[b]:
-                    A[r, i] -= st / model_budget
-            lo[r] = hi[r] = 0.0
-            r += 1
-        for cut in range(m):  # flow: out - in = 1 at the source, -1 at the sink, else 0
-            for i, (_, a, b) in enumerate(edges):
-                if a == cut:
-                    A[r, i] += 1.0
-                if b == cut:
-                    A[r, i] -= 1.0
-            lo[r] = hi[r] = 1.0 if cut == 0 else (-1.0 if cut == m - 1 else 0.0)
-            r += 1
-        # at most one kept segment ends or starts at each cut: row r + c for cut c
-        for i, (k, a, b) in enumerate(edges):
-            if k == 0:
-                A[r + a, i] = A[r + b, i] = 1.0
-        hi[r : r + m] = 1.0
+        cost[:E] = t.cost[ek, ea, eb]
+        start = self._warm_start(edges, model_budget)
+        if start is not None and cost @ start <= 0:
+            # no plan costs less than none recomputed (costs are FLOPs and transfer times,
+            # >= 0): HiGHS returns the start unchanged, after a presolve (its probing, which
+            # the node limit does not bound) of 20 to 35 s on the 29-cut program of
+            # tests/test_explain.py's BatchNorm net
+            return self._as_plan(self._path(start, edges), 0.0, 0.0, "start costs nothing")
+        csc, lo, hi = self._rows(edges, model_budget)
         upper = np.concatenate([np.ones(E), np.ones(m)])
         upper[E] = 0.0  # nothing is stored before the first cut
-        csc = A.tocsc()
         lp = highspy.HighsLp()
-        lp.num_col_, lp.num_row_ = nvar, rows
+        lp.num_col_, lp.num_row_ = nvar, len(lo)
         lp.col_cost_, lp.col_lower_, lp.col_upper_ = cost, np.zeros(nvar), upper
         lp.row_lower_, lp.row_upper_ = lo, hi
         lp.a_matrix_.format_ = highspy.MatrixFormat.kColwise
@@ -161,12 +137,8 @@ class MILPPlanner(OnSegmentModel):
         ] * m
         h = mip_solver(self.max_nodes, self.time_limit)
         h.passModel(lp)
-        start = self._warm_start(edges, model_budget)
         if start is not None:
-            sol = highspy.HighsSolution()
-            sol.col_value = list(start)
-            sol.value_valid = True
-            h.setSolution(sol)
+            _set_start(h, start)
         h.run()
         info = h.getInfo()
         values = np.asarray(h.getSolution().col_value)
@@ -175,20 +147,75 @@ class MILPPlanner(OnSegmentModel):
             values, feasible = start, True  # HiGHS did not improve on (or keep) the incumbent
         if not feasible:
             return None
-        self.last_gap = float(info.mip_gap)
-        self.last_objective = float(cost @ values)
+        objective = float(cost @ values)
         segs = self._path(values, edges)
         if exact_peak(t, segs) > model_budget:
             # within HiGHS's feasibility tolerance but over the budget in bytes
             if start is None:
                 return None
-            segs, self.last_objective = self._path(start, edges), float(cost @ start)
+            segs, objective = self._path(start, edges), float(cost @ start)
+        status = h.modelStatusToString(h.getModelStatus())
+        return self._as_plan(segs, objective, float(info.mip_gap), status)
+
+    def _as_plan(self, segs: Segments, objective: float, gap: float, status: str) -> Plan:
+        """`segs` as this planner's plan, noting the solve's objective (FLOPs) and gap."""
+        self.last_gap, self.last_objective = gap, objective
         plan = self.model.to_plan(segs, self.name)
         plan.notes.append(
-            f"milp: objective {self.last_objective:.6g} FLOPs, optimality gap "
-            f"{self.last_gap:.3g} ({h.modelStatusToString(h.getModelStatus())})"
+            f"milp: objective {objective:.6g} FLOPs, optimality gap {gap:.3g} ({status})"
         )
         return plan
+
+    def _rows(self, edges, model_budget: float):
+        """The program's rows over the edge and S columns (see `plan`), built with numpy:
+        (CSC matrix, row lower bounds, row upper bounds). Row order: one peak row per
+        edge, then per cut its S row, its flow row and its kept row."""
+        from scipy.sparse import coo_matrix
+
+        t = self.model.table
+        m, E = len(t.cuts), len(edges)
+        ek, ea, eb = np.asarray(edges, dtype=np.int64).T
+        stored = t.stored[ek, ea, eb] / model_budget
+        peak = (t.stored[ek, ea, eb] + t.transient[ek, ea, eb]) / model_budget
+        e = np.arange(E)
+        cuts = np.arange(m)
+        S, flow, kept = E, E + m, E + 2 * m  # first row of each block
+        # S[a] + (stored + transient) x <= B, in units of B
+        r = [e, e]
+        c = [E + ea, e]
+        v = [np.ones(E), peak]
+        # S[c] - sum of stores of segments ending at or before c = 0
+        r.append(S + cuts)
+        c.append(E + cuts)
+        v.append(np.ones(m))
+        ends, cut = np.nonzero(eb[:, None] <= cuts[None, :])  # (edge, cut) with b <= cut
+        r.append(S + cut)
+        c.append(ends)
+        v.append(-stored[ends])
+        # flow: out - in = 1 at the source, -1 at the sink, else 0
+        r += [flow + ea, flow + eb]
+        c += [e, e]
+        v += [np.ones(E), -np.ones(E)]
+        # at most one kept segment ends or starts at each cut
+        k0 = e[ek == 0]
+        r += [kept + ea[k0], kept + eb[k0]]
+        c += [k0, k0]
+        v += [np.ones(len(k0)), np.ones(len(k0))]
+        A = coo_matrix(
+            (np.concatenate(v), (np.concatenate(r), np.concatenate(c))), shape=(E + 3 * m, E + m)
+        ).tocsc()
+        A.sum_duplicates()
+        A.eliminate_zeros()  # zero stores or peaks: no entry, as the program always had
+        A.sort_indices()
+        lo = np.full(E + 3 * m, -np.inf)
+        hi = np.zeros(E + 3 * m)
+        hi[:E] = 1.0
+        lo[S : S + m] = 0.0
+        lo[flow : flow + m] = hi[flow : flow + m] = 0.0
+        lo[flow], hi[flow] = 1.0, 1.0
+        lo[flow + m - 1], hi[flow + m - 1] = -1.0, -1.0
+        hi[kept : kept + m] = 1.0
+        return A, lo, hi
 
     def _path(self, values: np.ndarray, edges) -> Segments:
         """The segments a solution's edge variables take, from the first cut to the last."""
@@ -232,3 +259,13 @@ class MILPPlanner(OnSegmentModel):
                 if cost < best_cost and exact_peak(t, segs) <= model_budget:
                     best, best_cost = x, cost
         return best
+
+
+def _set_start(h, start: np.ndarray) -> None:
+    """Give HiGHS `start` (a feasible solution, one value per column) as its first incumbent."""
+    import highspy
+
+    sol = highspy.HighsSolution()
+    sol.col_value = list(start)
+    sol.value_valid = True
+    h.setSolution(sol)
