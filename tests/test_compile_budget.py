@@ -6,8 +6,8 @@ from __future__ import annotations
 import chex
 import jax
 import jax.numpy as jnp
-import numpy as np
 import models as M  # tests/ is on sys.path via conftest
+import numpy as np
 import pytest
 
 import jremat
