@@ -320,16 +320,16 @@ def _loops_budgeted(
     not fit, no body policy does) compiles first; the other policies' temps are read off the
     line through the baseline and the floor by the bytes each saves
     (`mixing.loop_saved_bytes`), and the first predicted within `PREDICT_MARGIN` of the
-    target compiles next. With one shot, it goes to the first policy in order whose temp in
-    proportion to its saved bytes (the line through no bytes: lower than XLA's, which holds
-    more than the loop's residuals) is within the target; a policy over it is not compiled.
+    target compiles next. With one shot, the walk's first policy compiles, as without a
+    budget: the same plan at every target, so the floor a refusal states is met again.
     """
     prog, target, base = s.prog, s.target, s.prog.baseline
     walk = mixing.UNIT_POLICIES[1:]
-    saved = mixing.loop_saved_bytes(prog)
     if shots < 2:
-        low = {p: base.temp_bytes * saved[p] / max(saved[KEEP], 1) for p in walk}
-        policy = next((p for p in walk if low[p] <= target), walk[-1])
+        # the policy the walk compiles first, whatever the target: a refusal states its temp
+        # as the floor, and a call at that floor compiles it again (chosen by an estimate
+        # against the target, a call at the stated floor chose another policy, over it)
+        policy = walk[0]
         c = s.try_plan(build([policy] * units), f"loop body {policy} (the one plan left)")
         if c.temp_bytes > target:
             return None
@@ -337,6 +337,7 @@ def _loops_budgeted(
     floor = s.try_plan(build([walk[-1]] * units), f"loop body {walk[-1]} (the floor, first)")
     if floor.temp_bytes > target:
         return None
+    saved = mixing.loop_saved_bytes(prog)
     slope = (base.temp_bytes - floor.temp_bytes) / max(saved[KEEP], 1)
     temp = {p: floor.temp_bytes + slope * saved[p] for p in walk}
     temp[KEEP] = base.temp_bytes
