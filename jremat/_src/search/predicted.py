@@ -136,7 +136,7 @@ def run_budgeted(
             plan = planner.plan(aim)
         if plan is None or prog.program_key(plan) in keys:
             break
-        if aimed and s.best[1] is None and _last_shot(prog, plan):
+        if aimed and s.best[1] is None and _shots(prog, plan) < 2:
             # every plan compiled missed and no plan may follow this one: aimed to fit, not to
             # come close (not the first plan: `AIM_FIRST` is what fits where nothing missed)
             low = min(aim, aimed[-1] * (1 - LAST_SHOT_MOVE))
@@ -173,13 +173,6 @@ FIT_SCALE_LIMIT = 2.0
 #: reads the planner's plans 0-17% below their compiled temp on GPT-2 (jax 0.10; more so at
 #: low budgets), so a plan aimed at the target itself missed it in 8 of 11 budgets there.
 AIM_FIRST = 0.92
-
-
-def _last_shot(prog: Program, plan: Plan) -> bool:
-    """Whether, once `plan` is compiled, the compile budget leaves no room for another plan
-    (besides `plan`'s `jit(grad)` check)."""
-    after = prog.compiles_left - prog.step_compiles
-    return after < prog.step_compiles + prog.grad_check_compiles(plan)
 
 
 #: Where every plan compiled missed and the compile budget leaves one plan, that plan is aimed
