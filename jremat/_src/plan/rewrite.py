@@ -353,8 +353,31 @@ def run_graph(graph: Graph, plan: Plan, flat_args: Sequence[Any], *, prevent_cse
             _eval_nodes(graph.nodes[seg.start : seg.end], env, {}, plan.scans)
             continue
         live_in, live_out, run = _segment_runner(graph, seg, plan.scans, prevent_cse)
-        env.update(zip(live_out, run(*[env[i] for i in live_in]), strict=True))
+        outs = materialized(run(*[env[i] for i in live_in]))
+        env.update(zip(live_out, outs, strict=True))
     return [x.val if is_literal(x) else env[x] for x in graph.outvars]
+
+
+def materialized(outs: Sequence[Any]) -> list[Any]:
+    """A checkpointed segment's outputs, the floating ones behind one
+    `lax.optimization_barrier`: each is computed once, into its own buffer, and read from
+    there by the segments after it (and their cotangents leave through the barrier's
+    transpose).
+
+    Without it XLA fuses a cheap elementwise output into every consumer: a residual stream
+    `x + f(x)` across per-layer segments became one fusion computing the last layer's input
+    from the first and every layer's branch output, all of them kept live to the end of the
+    forward pass though each layer's input was already saved. Residual MLP of 16 layers,
+    2048 x 128 rows, jax 0.12: per-layer segments saving nothing compiled to 39 MiB of temp,
+    16 MiB of it those branch outputs; behind the barrier 32 MiB and 0.2 points fewer FLOPs
+    (docs/design.md#plans-and-the-rewrite)."""
+    outs = list(outs)
+    idx = [i for i, o in enumerate(outs) if hasattr(o, "dtype") and _compat.is_float_dtype(o.dtype)]
+    if idx:
+        held = jax.lax.optimization_barrier([outs[i] for i in idx])
+        for i, o in zip(idx, held, strict=True):
+            outs[i] = o
+    return outs
 
 
 def _segment_runner(
