@@ -212,8 +212,14 @@ def test_static_python_int_through_the_callers_jit():
     f = jremat.auto(_mlp_loss, budget=0.7)
     for n in (3, 2):
         step = jax.jit(jax.grad(f), static_argnums=2)
+        # the tolerance of this file's other comparisons with the unrematerialized step: the
+        # rewrite's barrier on segment outputs changes XLA's fusions (float rounding, 4e-9
+        # absolute on gradients of ~1e-4 here)
         chex.assert_trees_all_close(
-            step(params, x, n), jax.jit(jax.grad(_mlp_loss), static_argnums=2)(params, x, n)
+            step(params, x, n),
+            jax.jit(jax.grad(_mlp_loss), static_argnums=2)(params, x, n),
+            rtol=1e-5,
+            atol=1e-7,
         )
     assert len(f.plans) == 2
 
