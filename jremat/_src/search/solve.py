@@ -183,14 +183,17 @@ def plan(
         vmapped one at the batched arguments (a fraction is of its unrematerialized temp).
         None (default): no vmap.
       compile_budget: the XLA compiles of the whole program the search may spend, the
-        unrematerialized step and the verification included: an int, "auto" (default: what
-        verification needs plus `AUTO_COMPILE_STEPS` steps, 6 for a plain loss), or None for
-        no limit (the full search: calibrated rounds, mixes, refinement). Each
-        `value_and_grad` and `jit(grad)` step counts one (with `has_aux` a `jit(grad)` check
-        is two: with and without the aux; in a `shard_map` body a step is three). At least
-        what verifying one plan needs: 3 (5 with `has_aux`). Where it runs out, the cheapest
-        plan compiled so far that holds on both steps is returned
-        (docs/guides/planning-cost.md). `Plan.compiles` records what was spent.
+        unrematerialized step and the verification included: an int (at least what verifying
+        one plan needs: 3, 5 with `has_aux`; where it runs out, the cheapest plan compiled so
+        far that holds on both steps is returned, or `InfeasibleBudgetError`), None for no
+        limit (the full search: calibrated rounds, mixes, refinement), or "auto" (default):
+        what verification needs plus `AUTO_COMPILE_STEPS` steps (6 for a plain loss) for the
+        "auto", "chain" and "milp" solvers, lifted where no plan fits within it (the default
+        never refuses a budget the unlimited search meets); no limit for "greedy", "dtr" and
+        offloading plans. Each `value_and_grad` and `jit(grad)` step counts one (with
+        `has_aux` a `jit(grad)` check is two: with and without the aux; in a `shard_map` body
+        a step is three); see docs/guides/planning-cost.md. `Plan.compiles` records what was
+        spent.
 
     Returns:
       A `Plan`; `Plan.identity` when the budget is at or above the unrematerialized program,
@@ -276,7 +279,7 @@ def solve(
     max_rounds: int = 4,
     max_cuts: int = 160,
     offload: OffloadCost | None = None,
-    compile_budget: int | str | None = "auto",
+    compile_budget: int | str | None = None,
 ) -> Plan:
     """`plan` on an already traced `Program` (lets callers reuse the baseline compile).
 
@@ -297,12 +300,16 @@ def solve(
 
     Under a compile budget every stage stops where the next compile would leave none for a
     plan's `jit(grad)` check; `_budget_spent` then returns the cheapest compiled plan that
-    holds on both steps.
+    holds on both steps. `compile_budget` as `plan`'s, but None (no limit) by default.
     """
     spec = spec.for_device(prog.device)  # a "device" budget: of the device compiled for
     needed = prog.verification_compiles()
-    if compile_budget == "auto":
-        compile_budget = needed + AUTO_COMPILE_STEPS * prog.step_compiles
+    # "auto": a cap where the best-first searches run (the heuristic planners' and offloading
+    # plans' full search needs more), which a refusal lifts (`_search_soft`)
+    soft = compile_budget == "auto"
+    if soft:
+        capped = verify and solver in BEST_FIRST_SOLVERS and offload is None
+        compile_budget = needed + AUTO_COMPILE_STEPS * prog.step_compiles if capped else None
     if compile_budget is not None and compile_budget < needed:
         raise ValueError(
             f"compile_budget={compile_budget!r} is below the {needed} compiles verification "
@@ -311,10 +318,21 @@ def solve(
             f"step in a shard_map body): pass compile_budget>={needed}, or None for no limit"
         )
     prog.compile_budget, prog.compiles_spent = compile_budget, 0
+    search = functools.partial(_search, prog, spec, solver, verify, max_rounds, max_cuts, offload)
     try:
-        p = _search(prog, spec, solver, verify, max_rounds, max_cuts, offload)
-    except CompileBudgetSpent:
-        p = _budget_spent(prog, spec, offload, solver)
+        try:
+            p = search()
+        except CompileBudgetSpent:
+            p = _budget_spent(prog, spec, offload, solver)
+    except InfeasibleBudgetError:
+        if not soft or compile_budget is None:
+            raise
+        # the default's cap never refuses a budget the unlimited search meets, nor states
+        # another floor: the search goes on without it (what was compiled is not compiled again)
+        logger.info("no plan within the default compile budget: the unlimited search follows")
+        prog.settle()
+        prog.compile_budget = None
+        p = search()
     finally:
         prog.settle()  # no `jit(grad)` compile started ahead outlives the search
         spent, prog.compile_budget = prog.compiles_spent, None
@@ -486,7 +504,8 @@ def _budget_spent(prog: Program, spec: Budget, offload: OffloadCost | None, solv
     smallest = spec.in_caller_unit(least, base.temp_bytes, base.fixed_bytes)
     raise InfeasibleBudgetError(
         f"budget={spec.raw!r}: the compile budget of {prog.compile_budget} compiles ran out "
-        f"before a plan within it was verified; the lowest plan verified reaches "
+        f"before a "
+        f"plan within it was verified; the lowest plan verified reaches "
         f"{spec.describe(smallest)}. Raise compile_budget (None: no limit), or the budget.",
         budget=spec.raw,
         smallest_reachable=smallest,
