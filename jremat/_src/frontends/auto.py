@@ -151,7 +151,8 @@ def auto(
       compile_budget: whole-program compiles one signature's search may spend, verification
         included (`jremat.plan`'s `compile_budget`: "auto", the default, 6 for a plain loss;
         an int >= 3, 5 with `has_aux`; or None for no limit); the cheapest plan verified
-        when it runs out is used. Flax blocks' own searches are not counted.
+        when it runs out is used. "auto" does not cap a Flax block class's searches (a
+        block's programs are small), an int does.
 
     Returns:
       For a function, the wrapped function: `wrapper.plans` maps each key (signature,

@@ -189,11 +189,11 @@ def plan(
         limit (the full search: calibrated rounds, mixes, refinement), or "auto" (default):
         what verification needs plus `AUTO_COMPILE_STEPS` steps (6 for a plain loss) for the
         "auto", "chain" and "milp" solvers, lifted where no plan fits within it (the default
-        never refuses a budget the unlimited search meets); no limit for "greedy", "dtr" and
-        offloading plans. Each `value_and_grad` and `jit(grad)` step counts one (with
-        `has_aux` a `jit(grad)` check is two: with and without the aux; in a `shard_map` body
-        a step is three); see docs/guides/planning-cost.md. `Plan.compiles` records what was
-        spent.
+        never refuses a budget the unlimited search meets); no limit for "greedy", "dtr",
+        offloading plans and Flax blocks. Each `value_and_grad` and `jit(grad)` step counts
+        one (with `has_aux` a `jit(grad)` check is two: with and without the aux; in a
+        `shard_map` body a step is three); see docs/guides/planning-cost.md.
+        `Plan.compiles` records what was spent.
 
     Returns:
       A `Plan`; `Plan.identity` when the budget is at or above the unrematerialized program,
@@ -305,10 +305,15 @@ def solve(
     spec = spec.for_device(prog.device)  # a "device" budget: of the device compiled for
     needed = prog.verification_compiles()
     # "auto": a cap where the best-first searches run (the heuristic planners' and offloading
-    # plans' full search needs more), which a refusal lifts (`_search_soft`)
+    # plans' full search needs more; a Flax block's is small), which a refusal lifts
     soft = compile_budget == "auto"
     if soft:
-        capped = verify and solver in BEST_FIRST_SOLVERS and offload is None
+        capped = (
+            verify
+            and solver in BEST_FIRST_SOLVERS
+            and offload is None
+            and prog.objective.capped_by_default
+        )
         compile_budget = needed + AUTO_COMPILE_STEPS * prog.step_compiles if capped else None
     if compile_budget is not None and compile_budget < needed:
         raise ValueError(
