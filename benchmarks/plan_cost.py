@@ -5,7 +5,7 @@
     python benchmarks/plan_cost.py --json F     # also write the rows as JSON lines to F
     python benchmarks/plan_cost.py --depth      # trace + solve without compiles, by depth
     python benchmarks/plan_cost.py --full-search  # without the best-first search: the "before"
-    python benchmarks/plan_cost.py --compile-budgets none,3,4,6   # a row per compile budget
+    python benchmarks/plan_cost.py --compile-budgets auto,3,4,none   # a row per compile budget
 
 Per cell (a model at a budget) in a fresh process per model:
 
@@ -28,9 +28,10 @@ Per cell (a model at a budget) in a fresh process per model:
 * `extra FLOPs`: the plan's compiled FLOPs (`Plan.measured_flops`) over the unrematerialized
   program's (`jremat.measure`), minus 1; `fits`: its compiled temp bytes
   (`Plan.measured_temp_bytes`) meet the budget;
-* `compile budget`: `jremat.auto(..., compile_budget=N)` (`none`: the unlimited search), one
-  row per compile budget of `--compile-budgets`; `vs unlimited` is the row's extra FLOPs minus
-  the unlimited search's at the same model and budget (points), where both ran.
+* `compile budget`: `jremat.auto(..., compile_budget=N)` (`auto`: the default; `none`: the
+  unlimited search), one row per compile budget of `--compile-budgets`; `vs unlimited` is
+  the row's extra FLOPs minus the unlimited search's at the same model and budget (points),
+  where both ran.
 
 Ratios are reported because the machine may be loaded by other work: both calls of a ratio
 run in one process, minutes apart at most. Runs against another checkout with
@@ -97,7 +98,7 @@ def _search_mode() -> None:
 FULL_SEARCH_ENV = "JREMAT_BENCH_FULL_SEARCH"
 
 
-def _auto(loss, budget: float, compile_budget: int | None, plan_dir: str):
+def _auto(loss, budget: float, compile_budget: int | str | None, plan_dir: str):
     """`jremat.auto` of `loss` at one cell, its plans in a folder of that cell's own (so the
     warm process reads the plan of the same budget and compile budget)."""
     import jremat
@@ -111,7 +112,7 @@ def _auto(loss, budget: float, compile_budget: int | None, plan_dir: str):
 
 
 def _cell(
-    name: str, budgets: list[float], plan_dir: str, compile_budget: int | None
+    name: str, budgets: list[float], plan_dir: str, compile_budget: int | str | None
 ) -> Iterator[dict]:
     """Measure one model in this process: the plain step, then auto at each budget under
     `compile_budget` (a row per budget as soon as it is measured)."""
@@ -179,7 +180,7 @@ def _cell(
 
 
 def _warm(
-    name: str, budgets: list[float], plan_dir: str, compile_budget: int | None
+    name: str, budgets: list[float], plan_dir: str, compile_budget: int | str | None
 ) -> Iterator[dict]:
     """A new process with the plans on disk: auto's first call over the plain step's (a row
     per budget as soon as it is measured)."""
@@ -298,7 +299,11 @@ def depth_table(rows: list[dict]) -> str:
 
 
 def _child(
-    mode: str, name: str, budgets: list[float], plan_dir: str, compile_budget: int | None = None
+    mode: str,
+    name: str,
+    budgets: list[float],
+    plan_dir: str,
+    compile_budget: int | str | None = None,
 ) -> list[dict]:
     """Run `mode` for `name` in a new process; its rows, each also echoed to stderr as it
     arrives (a run stopped by a time limit keeps the rows measured so far in its log)."""
@@ -388,9 +393,11 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def _cbs(text: str) -> list[int | None]:
-    """`--compile-budgets`' list: ints, `none` for the unlimited search."""
-    return [None if t.strip().lower() == "none" else int(t) for t in text.split(",")]
+def _cbs(text: str) -> list[int | str | None]:
+    """`--compile-budgets`' list: ints, `auto` (jremat's default), `none` (the unlimited
+    search)."""
+    named = {"none": None, "auto": "auto"}
+    return [named[t] if t in named else int(t) for t in text.strip().lower().split(",")]
 
 
 def main() -> None:
@@ -412,8 +419,9 @@ def main() -> None:
     )
     ap.add_argument(
         "--compile-budgets",
-        default="none",
-        help="comma-separated compile budgets of auto, 'none' the unlimited search (a row each)",
+        default="auto",
+        help="comma-separated compile budgets of auto: ints, 'auto' (the default's), 'none' "
+        "(the unlimited search); a row each",
     )
     a = ap.parse_args()
     if a.full_search:

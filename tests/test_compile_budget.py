@@ -28,13 +28,15 @@ def _grad_temp(loss, args) -> int:
     return exe.memory_analysis().temp_size_in_bytes
 
 
-@pytest.mark.parametrize("compile_budget", [3, 4])
+@pytest.mark.parametrize("compile_budget", [3, 4, "auto"])
 def test_a_plan_spends_at_most_its_compile_budget_and_holds_where_it_runs(decoder, compile_budget):
     """Every compile counts (the baseline and the `jit(grad)` check too); the plan records
     what it spent, and the caller's `jit(grad)` step under it is within the budget, with
-    the unrematerialized gradients."""
-    plan = jremat.plan(decoder.loss, *decoder.args, budget=0.5, compile_budget=compile_budget)
-    assert plan.compiles is not None and plan.compiles <= compile_budget
+    the unrematerialized gradients. The default ("auto") is 6 compiles for a plain loss."""
+    kwargs = {} if compile_budget == "auto" else {"compile_budget": compile_budget}
+    plan = jremat.plan(decoder.loss, *decoder.args, budget=0.5, **kwargs)
+    cap = 3 + solve_module.AUTO_COMPILE_STEPS if compile_budget == "auto" else compile_budget
+    assert plan.compiles is not None and plan.compiles <= cap
     target = 0.5 * plan.baseline_temp_bytes
     assert plan.measured_temp_bytes <= target
     remat = jremat.rematerialize(decoder.loss, plan)
@@ -72,6 +74,31 @@ def test_a_budget_that_runs_out_before_any_plan_fits_states_a_floor_that_holds(d
     assert again.measured_temp_bytes <= e.value.smallest_reachable * again.baseline_temp_bytes
 
 
+def test_the_default_compile_budget_is_lifted_where_no_plan_fits_within_it(decoder, monkeypatch):
+    """The default ("auto") never refuses a budget the unlimited search meets: cut to the 3
+    compiles verification needs, with the one aimed plan they leave aimed over the target
+    (so 3 compiles alone refuse), its plan holds on both steps; below every plan, it states
+    the unlimited search's floor."""
+    from jremat._src.search import predicted
+
+    monkeypatch.setattr(solve_module, "AUTO_COMPILE_STEPS", 0)
+    monkeypatch.setattr(predicted, "AIM_FIRST", 1.5)
+    with pytest.raises(jremat.InfeasibleBudgetError, match="compile budget of 3"):
+        jremat.plan(decoder.loss, *decoder.args, budget=0.5, compile_budget=3)
+    plan = jremat.plan(decoder.loss, *decoder.args, budget=0.5)
+    assert plan.compiles > 3
+    target = 0.5 * plan.baseline_temp_bytes
+    assert plan.measured_temp_bytes <= target
+    assert _grad_temp(jremat.rematerialize(decoder.loss, plan), decoder.args) <= target
+    floors = []
+    for compile_budget in ("auto", None):
+        with pytest.raises(jremat.InfeasibleBudgetError) as e:
+            jremat.plan(decoder.loss, *decoder.args, budget=0.02, compile_budget=compile_budget)
+        assert "compile budget" not in str(e.value)
+        floors.append(e.value.smallest_reachable)
+    assert floors[0] == floors[1]
+
+
 def test_compile_budgets_below_what_verification_needs_are_refused_by_name(decoder):
     with pytest.raises(ValueError, match=r"compile_budget=2 .* pass compile_budget>=3"):
         jremat.plan(decoder.loss, *decoder.args, budget=0.5, compile_budget=2)
@@ -83,8 +110,8 @@ def test_compile_budgets_below_what_verification_needs_are_refused_by_name(decod
             has_aux=True,
             compile_budget=3,
         )
-    for bad in (True, 2.5, "4"):
-        with pytest.raises(TypeError, match="compile_budget"):
+    for bad in (True, 2.5, "4", "unlimited"):
+        with pytest.raises(TypeError, match='compile_budget must be "auto"'):
             jremat.plan(decoder.loss, *decoder.args, budget=0.5, compile_budget=bad)
     with pytest.raises(TypeError, match="compile_budget"):
         jremat.auto(decoder.loss, compile_budget=True)
@@ -97,7 +124,7 @@ def test_auto_passes_its_compile_budget_and_keys_plans_by_it(decoder):
     jax.jit(jax.grad(small))(*decoder.args)
     (plan,) = small.plans.values()
     assert plan.compiles <= 3
-    unlimited = jremat.auto(decoder.loss, budget=0.5, plan_dir=False)
+    unlimited = jremat.auto(decoder.loss, budget=0.5, compile_budget=None, plan_dir=False)
     graph = jremat.trace(decoder.loss, *decoder.args)
     avals = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), decoder.args)
     assert small.plan_cache.key(graph, avals)[0] != unlimited.plan_cache.key(graph, avals)[0]

@@ -91,6 +91,25 @@ def check_count(name: str, value: Any) -> int:
     return count
 
 
+def check_compile_budget(value: Any) -> int | str | None:
+    """`value` as a compile budget: "auto" (the default of `jremat.plan` and its callers),
+    None (no limit), or an int >= 1 (as `check_count`).
+
+    Raises:
+      TypeError: anything else (a bool, float, another string ...); the message names
+        `compile_budget` and the accepted forms.
+      ValueError: an int below 1.
+    """
+    if value is None or (isinstance(value, str) and value == "auto"):
+        return value
+    if as_int("compile_budget", value) is None:
+        raise TypeError(
+            'compile_budget must be "auto" (the default), None (no limit) or an int >= 1, got '
+            f"{type(value).__name__} {value!r}"
+        )
+    return check_count("compile_budget", value)
+
+
 def check_flag(name: str, value: Any) -> bool:
     """`value` as a bool when it is one (Python or NumPy bool).
 

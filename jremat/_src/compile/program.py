@@ -118,6 +118,10 @@ class Objective:
     #: the whole step each time, for plans that recompute the most.
     floor_plans_always = False
 
+    #: Whether `compile_budget="auto"` (the default) caps the search: a step of the whole
+    #: program, whose compiles are what a user waits for.
+    capped_by_default = True
+
     def step_fn(self, prog: Program, plan: Plan | None) -> Callable[..., Any]:
         """The scalar function whose `value_and_grad` is compiled for `plan` (None: no remat)."""
         if plan is None or plan.is_identity:

@@ -56,7 +56,7 @@ def auto(
     mesh: Any = None,
     offload: Any = None,
     has_aux: bool = False,
-    compile_budget: int | None = None,
+    compile_budget: int | str | None = "auto",
 ) -> Any:
     """Rematerialize a function or a Flax module automatically under a memory budget.
 
@@ -149,8 +149,10 @@ def auto(
         returned pair raises a TypeError naming `has_aux`). Flax modules (classes, linen
         methods) return any outputs already and refuse it.
       compile_budget: whole-program compiles one signature's search may spend, verification
-        included (`jremat.plan`'s `compile_budget`: an int >= 3, 5 with `has_aux`, or None,
-        the default, for no limit); the cheapest plan verified when it runs out is used.
+        included (`jremat.plan`'s `compile_budget`: "auto", the default, 6 for a plain loss;
+        an int >= 3, 5 with `has_aux`; or None for no limit); the cheapest plan verified
+        when it runs out is used. "auto" does not cap a Flax block class's searches (a
+        block's programs are small), an int does.
 
     Returns:
       For a function, the wrapped function: `wrapper.plans` maps each key (signature,
@@ -165,9 +167,9 @@ def auto(
       TypeError: `offload` is not None, a bool or a `jremat.OffloadCost`; `mesh` is not a
         Mesh or None; `in_shardings` is not one of its accepted forms (checked here, before
         any call; whether it matches the arguments is checked at the first call).
-      TypeError: `verify` or `has_aux` is not a bool, or `max_rounds` or `compile_budget`
-        not an int (a bool included); `has_aux=True` for a Flax target (at decoration, or
-        at the first call of a function of modules).
+      TypeError: `verify` or `has_aux` is not a bool, or `max_rounds` not an int, or
+        `compile_budget` not an int, "auto" or None (a bool included); `has_aux=True` for a
+        Flax target (at decoration, or at the first call of a function of modules).
       ValueError: an invalid budget or solver; `max_rounds` below 1; static_argnums out of
         range, naming `self`, or naming a parameter that received an unhashable value (the
         message names the argument and how `self` is counted).

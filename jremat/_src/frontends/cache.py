@@ -19,7 +19,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from jremat._src.base.args import abstract_args, check_count, check_flag
+from jremat._src.base.args import abstract_args, check_compile_budget, check_count, check_flag
 from jremat._src.base.batching import Batching
 from jremat._src.base.budget import Budget, BudgetLike, parse_budget
 from jremat._src.base.targets import args_device
@@ -93,7 +93,7 @@ class PlanCache:
         `RuntimeWarning` naming it, and the plan is solved again and saved over it.
       offload: host offload, as `jremat.plan`'s `offload` (None: never offload).
       compile_budget: whole-program compiles one plan's search may spend, as
-        `jremat.plan`'s `compile_budget` (None: no limit).
+        `jremat.plan`'s `compile_budget` ("auto", the default; None: no limit).
 
     Attributes:
       plans: key -> `Plan`, in the order first seen.
@@ -103,7 +103,8 @@ class PlanCache:
     Raises:
       ValueError: an invalid budget or solver; `max_rounds` below 1.
       TypeError: `offload` is not None, a bool or a `jremat.OffloadCost`; `verify` is not a
-        bool; `max_rounds` or `compile_budget` is not an int (a bool included); `plan_dir`
+        bool; `max_rounds` is not an int or `compile_budget` not an int, "auto" or None (a
+        bool included); `plan_dir`
         not a folder, None or False.
     """
 
@@ -116,7 +117,7 @@ class PlanCache:
         max_rounds: int = 4,
         plan_dir: str | os.PathLike | bool | None = None,
         offload: Any = None,
-        compile_budget: int | None = None,
+        compile_budget: int | str | None = "auto",
     ):
         self._spec = parse_budget(budget)
         self.offload = parse_offload(offload)
@@ -125,9 +126,7 @@ class PlanCache:
         self.solver = solver
         self.verify = check_flag("verify", verify)
         self.max_rounds = check_count("max_rounds", max_rounds)
-        self.compile_budget = (
-            None if compile_budget is None else check_count("compile_budget", compile_budget)
-        )
+        self.compile_budget = check_compile_budget(compile_budget)
         self.plan_dir = resolve_plan_dir(plan_dir)
         self.plans: dict[str, Plan] = {}
         self.signatures: dict[str, str] = {}
@@ -229,8 +228,7 @@ class PlanCache:
                 opts: dict[str, Any] = {} if self.solver is None else {"solver": self.solver}
                 if self.offload is not None:
                     opts["offload"] = self.offload
-                if self.compile_budget is not None:
-                    opts["compile_budget"] = self.compile_budget
+                opts["compile_budget"] = self.compile_budget
                 if ct_mask is None:
                     p = plan(
                         fn,

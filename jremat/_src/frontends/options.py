@@ -11,7 +11,7 @@ import os
 from collections.abc import Sequence
 from typing import Any
 
-from jremat._src.base.args import check_count, check_flag
+from jremat._src.base.args import check_compile_budget, check_count, check_flag
 from jremat._src.base.budget import parse_budget
 from jremat._src.base.sharding import check_in_shardings, check_mesh
 from jremat._src.frontends.cache import PlanCache
@@ -33,8 +33,8 @@ class AutoOptions:
 
     Raises:
       ValueError: an invalid budget or solver; `max_rounds` or `compile_budget` below 1.
-      TypeError: `verify` or `has_aux` not a bool; `max_rounds` or `compile_budget` not an
-        int (a bool included);
+      TypeError: `verify` or `has_aux` not a bool; `max_rounds` not an int, `compile_budget`
+        not an int, "auto" or None (a bool included);
         `mesh` not a Mesh or None; `in_shardings` not one of its accepted forms; `offload`
         not None, a bool or a `jremat.OffloadCost`.
     """
@@ -55,7 +55,7 @@ class AutoOptions:
     mesh: Any = None
     offload: Any = None
     has_aux: bool = False
-    compile_budget: int | None = None
+    compile_budget: int | str | None = "auto"
 
     def __post_init__(self) -> None:
         # parsed once: the decorator form, PlanCache and jremat.plan take the Budget as it is
@@ -64,8 +64,7 @@ class AutoOptions:
         check_flag("verify", self.verify)
         check_flag("has_aux", self.has_aux)
         check_count("max_rounds", self.max_rounds)
-        if self.compile_budget is not None:
-            check_count("compile_budget", self.compile_budget)
+        check_compile_budget(self.compile_budget)
         check_mesh(self.mesh)
         check_in_shardings(self.in_shardings)
         parse_offload(self.offload)

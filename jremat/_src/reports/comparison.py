@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 
 from jremat import policies as _policies
-from jremat._src.base.args import check_count
+from jremat._src.base.args import check_compile_budget
 from jremat._src.base.budget import Budget, BudgetLike, parse_budget
 from jremat._src.base.errors import InfeasibleBudgetError
 from jremat._src.compile.program import Program
@@ -556,8 +556,7 @@ def compare(
             "runs > 0 times the steps, which needs arrays: args hold jax.ShapeDtypeStructs "
             "(a compile-only target, jremat.target_mesh); pass runs=0"
         )
-    if compile_budget is not None:
-        check_count("compile_budget", compile_budget)
+    check_compile_budget(compile_budget)
     if isinstance(solvers, str):
         solvers = [solvers]
     for s in solvers:

@@ -20,7 +20,7 @@ import jax
 import numpy as np
 
 from jremat._src.base import compat as _compat
-from jremat._src.base.args import check_count, check_flag
+from jremat._src.base.args import check_compile_budget, check_count, check_flag
 from jremat._src.base.batching import Batching
 from jremat._src.base.budget import Budget, BudgetLike, parse_budget
 from jremat._src.base.errors import InfeasibleBudgetError
@@ -75,6 +75,16 @@ SECOND_READ_MARGIN = 0.02
 #: where the model's read is known, so a miss is small and on either side.
 SECOND_AIM = 0.985
 
+#: The default compile budget ("auto") leaves this many steps' compiles beyond what verifying
+#: one plan needs: 6 compiles for a plain loss (8 with `has_aux`, 15 in a `shard_map` body).
+#: On plan_cost's held-out models (a residual MLP, GPT-2 of 6 layers, a scanned decoder, at
+#: 0.3-0.7; jax 0.12) 6 compiles met every budget the unlimited search meets, within 0.05
+#: points of its FLOPs as a geometric mean (0.38 at worst), where the unlimited search spent
+#: up to 14 (benchmarks/results/plan_cost_compile_budget_jax012.md); 3 compiles refused 4 of
+#: those 9 cells and 4 cost the residual MLP a compile (its no-recompute recipe goes first
+#: only from 6 up: `RECIPE_FIRST_AIMS`).
+AUTO_COMPILE_STEPS = 3
+
 #: A round's plan that fits and whose compiled temp bytes are within this fraction of the
 #: target ends the rounds: closer plans save little recompute for another compile each.
 CLOSE_ENOUGH = 0.03
@@ -111,7 +121,7 @@ def plan(
     graph: Graph | None = None,
     has_aux: bool = False,
     batching: Batching | None = None,
-    compile_budget: int | None = None,
+    compile_budget: int | str | None = "auto",
 ) -> Plan:
     """Plan the rematerialization of `fn` under a memory budget.
 
@@ -173,12 +183,17 @@ def plan(
         vmapped one at the batched arguments (a fraction is of its unrematerialized temp).
         None (default): no vmap.
       compile_budget: the XLA compiles of the whole program the search may spend, the
-        unrematerialized step and the verification included, or None (default): no limit.
-        Each `value_and_grad` and `jit(grad)` step counts one (with `has_aux` a `jit(grad)`
-        check is two: with and without the aux; in a `shard_map` body a step is three).
-        At least what verifying one plan needs: 3 (5 with `has_aux`). Where it runs out,
-        the cheapest plan compiled so far that holds on both steps is returned
-        (docs/guides/planning-cost.md). `Plan.compiles` records what was spent.
+        unrematerialized step and the verification included: an int (at least what verifying
+        one plan needs: 3, 5 with `has_aux`; where it runs out, the cheapest plan compiled so
+        far that holds on both steps is returned, or `InfeasibleBudgetError`), None for no
+        limit (the full search: calibrated rounds, mixes, refinement), or "auto" (default):
+        what verification needs plus `AUTO_COMPILE_STEPS` steps (6 for a plain loss) for the
+        "auto", "chain" and "milp" solvers, lifted where no plan fits within it (the default
+        never refuses a budget the unlimited search meets); no limit for "greedy", "dtr",
+        offloading plans and Flax blocks. Each `value_and_grad` and `jit(grad)` step counts
+        one (with `has_aux` a `jit(grad)` check is two: with and without the aux; in a
+        `shard_map` body a step is three); see docs/guides/planning-cost.md.
+        `Plan.compiles` records what was spent.
 
     Returns:
       A `Plan`; `Plan.identity` when the budget is at or above the unrematerialized program,
@@ -191,7 +206,7 @@ def plan(
       InfeasibleBudgetError: no plan reaches the budget; states the smallest reachable budget
         in the caller's unit. Also where `compile_budget` ran out before a plan that fits
         was verified (the message says so and states the lowest plan verified).
-      TypeError: `compile_budget` not an int or None (a bool included).
+      TypeError: `compile_budget` not an int, "auto" or None (a bool included).
       TypeError: `fn` does not return a scalar float (with `has_aux`, a pair whose first
         element is one; a pair returned without `has_aux` names it), or `argnums` selects no
         float input; `has_aux` not a bool;
@@ -224,8 +239,7 @@ def plan(
     verify = check_flag("verify", verify)
     max_rounds = check_count("max_rounds", max_rounds)
     max_cuts = check_count("max_cuts", max_cuts)
-    if compile_budget is not None:
-        compile_budget = check_count("compile_budget", compile_budget)
+    compile_budget = check_compile_budget(compile_budget)
     t0 = time.perf_counter()
     prog = Program(
         fn,
@@ -265,7 +279,7 @@ def solve(
     max_rounds: int = 4,
     max_cuts: int = 160,
     offload: OffloadCost | None = None,
-    compile_budget: int | None = None,
+    compile_budget: int | str | None = None,
 ) -> Plan:
     """`plan` on an already traced `Program` (lets callers reuse the baseline compile).
 
@@ -286,10 +300,21 @@ def solve(
 
     Under a compile budget every stage stops where the next compile would leave none for a
     plan's `jit(grad)` check; `_budget_spent` then returns the cheapest compiled plan that
-    holds on both steps.
+    holds on both steps. `compile_budget` as `plan`'s, but None (no limit) by default.
     """
     spec = spec.for_device(prog.device)  # a "device" budget: of the device compiled for
     needed = prog.verification_compiles()
+    # "auto": a cap where the best-first searches run (the heuristic planners' and offloading
+    # plans' full search needs more; a Flax block's is small), which a refusal lifts
+    soft = compile_budget == "auto"
+    if soft:
+        capped = (
+            verify
+            and solver in BEST_FIRST_SOLVERS
+            and offload is None
+            and prog.objective.capped_by_default
+        )
+        compile_budget = needed + AUTO_COMPILE_STEPS * prog.step_compiles if capped else None
     if compile_budget is not None and compile_budget < needed:
         raise ValueError(
             f"compile_budget={compile_budget!r} is below the {needed} compiles verification "
@@ -298,10 +323,21 @@ def solve(
             f"step in a shard_map body): pass compile_budget>={needed}, or None for no limit"
         )
     prog.compile_budget, prog.compiles_spent = compile_budget, 0
+    search = functools.partial(_search, prog, spec, solver, verify, max_rounds, max_cuts, offload)
     try:
-        p = _search(prog, spec, solver, verify, max_rounds, max_cuts, offload)
-    except CompileBudgetSpent:
-        p = _budget_spent(prog, spec, offload, solver)
+        try:
+            p = search()
+        except CompileBudgetSpent:
+            p = _budget_spent(prog, spec, offload, solver)
+    except InfeasibleBudgetError:
+        if not soft or compile_budget is None:
+            raise
+        # the default's cap never refuses a budget the unlimited search meets, nor states
+        # another floor: the search goes on without it (what was compiled is not compiled again)
+        logger.info("no plan within the default compile budget: the unlimited search follows")
+        prog.settle()
+        prog.compile_budget = None
+        p = search()
     finally:
         prog.settle()  # no `jit(grad)` compile started ahead outlives the search
         spent, prog.compile_budget = prog.compiles_spent, None
@@ -473,7 +509,8 @@ def _budget_spent(prog: Program, spec: Budget, offload: OffloadCost | None, solv
     smallest = spec.in_caller_unit(least, base.temp_bytes, base.fixed_bytes)
     raise InfeasibleBudgetError(
         f"budget={spec.raw!r}: the compile budget of {prog.compile_budget} compiles ran out "
-        f"before a plan within it was verified; the lowest plan verified reaches "
+        f"before a "
+        f"plan within it was verified; the lowest plan verified reaches "
         f"{spec.describe(smallest)}. Raise compile_budget (None: no limit), or the budget.",
         budget=spec.raw,
         smallest_reachable=smallest,

@@ -19,7 +19,7 @@ import jax
 import optax
 
 from jremat._src.base import compat as _compat
-from jremat._src.base.args import check_count, check_flag, check_scalar_output
+from jremat._src.base.args import check_compile_budget, check_flag, check_scalar_output
 from jremat._src.base.budget import BudgetLike, parse_budget
 from jremat._src.base.errors import InfeasibleBudgetError
 from jremat._src.base.sharding import shard_args
@@ -198,7 +198,7 @@ def plan_training(
     remat_budgets: Sequence[float] = DEFAULT_REMAT_BUDGETS,
     has_aux: bool = False,
     aux_reduction: Any = "mean",
-    compile_budget: int | None = None,
+    compile_budget: int | str | None = "auto",
 ) -> TrainingPlan:
     """Choose microbatches and rematerialization so the compiled train step fits `budget`.
 
@@ -244,8 +244,8 @@ def plan_training(
       aux_reduction: with `has_aux` and several microbatches, how their aux are combined:
         as `jremat.microbatch`'s `aux_reduction` (default "mean", float leaves only).
       compile_budget: whole-program compiles each remat plan's search may spend, as
-        `jremat.plan`'s `compile_budget` (None, the default: no limit); the train steps
-        compiled to compare configurations are not counted.
+        `jremat.plan`'s `compile_budget` ("auto", the default; None: no limit); the train
+        steps compiled to compare configurations are not counted.
 
     Returns:
       A `TrainingPlan`.
@@ -299,8 +299,7 @@ def plan_training(
         if isinstance(f, bool) or not isinstance(f, float) or not 0 < f <= 1:
             raise ValueError(f"remat_budgets must be floats in (0, 1]; got {f!r}.")
     check_flag("has_aux", has_aux)
-    if compile_budget is not None:
-        check_count("compile_budget", compile_budget)
+    compile_budget = check_compile_budget(compile_budget)
     check_aux_reduction(aux_reduction)  # here, not only once a config of k > 1 is compiled
     # with the shardings the arguments carry (explicit or committed): figures per device
     params_a, batch_a = shard_args((params, batch))
