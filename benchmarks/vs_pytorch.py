@@ -39,9 +39,11 @@ PyTorch (CPU, `torch.compile`, inductor): for each
 * compile seconds: the first call (trace, partition, inductor codegen, C++ compile) minus a
   steady step.
 
-jremat (JAX/XLA, CPU): at each PyTorch point, `jremat.plan(loss, params, batch, budget=f)`
-with f = PyTorch's peak temp bytes / jremat's unrematerialized compiled temp bytes (a
-fraction of temp, so the budget is in the same unit on both sides; f >= 1 is the identity).
+jremat (JAX/XLA, CPU): at each PyTorch point, `jremat.plan(loss, params, batch, budget=f,
+compile_budget=None)` with f = PyTorch's peak temp bytes / jremat's unrematerialized compiled
+temp bytes (a fraction of temp, so the budget is in the same unit on both sides; f >= 1 is
+the identity): the unlimited search, as PyTorch's partitioner has no compile budget either
+(`jremat.plan`'s default caps it at 6 compiles; docs/guides/planning-cost.md).
 
 * temp: `plan.measured_temp_bytes` (XLA's compiled temp, what the plan was verified on).
 * saved bytes: JAX's residuals of the rewritten step (`saved_residuals`), less the arguments.
@@ -682,7 +684,7 @@ def jremat_point(model: Model, target_temp: int, base: dict[str, Any]) -> dict[s
     }
     t0 = time.perf_counter()
     try:
-        plan = jremat.plan(model.jax_loss, params, batch, budget=frac)
+        plan = jremat.plan(model.jax_loss, params, batch, budget=frac, compile_budget=None)
     except jremat.InfeasibleBudgetError as e:
         row.update(
             infeasible=True,
@@ -729,7 +731,7 @@ def jremat_floor(model: Model) -> dict[str, Any]:
     params, batch = _jax_inputs(model)
     t0 = time.perf_counter()
     try:
-        plan = jremat.plan(model.jax_loss, params, batch, budget=0.01)
+        plan = jremat.plan(model.jax_loss, params, batch, budget=0.01, compile_budget=None)
         floor = plan.measured_temp_bytes
     except jremat.InfeasibleBudgetError as e:
         floor = e.smallest_reachable_bytes
