@@ -372,8 +372,14 @@ def materialized(outs: Sequence[Any]) -> list[Any]:
     16 MiB of it those branch outputs; behind the barrier 32 MiB and 0.2 points fewer FLOPs
     (docs/design.md#plans-and-the-rewrite)."""
     outs = list(outs)
-    idx = [i for i, o in enumerate(outs) if hasattr(o, "dtype") and _compat.is_float_dtype(o.dtype)]
-    if idx:
+    # one barrier per set of varying manual axes: in a checked `shard_map` body jax 0.10 gives
+    # every operand of one barrier the union of theirs, and an invariant output that became
+    # varying fails the `pvary` that follows it (outside a body: one barrier)
+    groups: dict[frozenset[str], list[int]] = {}
+    for i, o in enumerate(outs):
+        if hasattr(o, "dtype") and _compat.is_float_dtype(o.dtype):
+            groups.setdefault(_compat.varying_axes(o), []).append(i)
+    for idx in groups.values():
         held = jax.lax.optimization_barrier([outs[i] for i in idx])
         for i, o in zip(idx, held, strict=True):
             outs[i] = o
