@@ -921,7 +921,9 @@ def _rounds(
     on a plan that fits within `CLOSE_ENOUGH` of the target, on one the model predicts
     recomputes no less than the best fitting plan compiled (the model undercounts XLA's
     recompute, docs/design.md#verification: a closer plan would only recompute more), or
-    when the bracket of model budgets is narrower than 0.5%. `offer` (default: the plan
+    when the bracket of model budgets is narrower than 0.5%. A plan that misses at the
+    compiled temp of an earlier miss moves the next at least `predicted.LAST_SHOT_MOVE`
+    lower (a step in proportion to the miss gave the same packing). `offer` (default: the plan
     joins stage "rounds" and is offered), `lo` and `hi` (the model budgets known to fit /
     miss) serve the second model's rounds (`_second_model`)."""
     target, base = found.target, prog.baseline
@@ -934,6 +936,7 @@ def _rounds(
             found.stage["rounds"].append((p, c))
             return found.offer(p, c)
 
+    missed: set[int] = set()  # compiled temp bytes of the rounds that missed
     for round_ in range(max_rounds):
         candidate = planner.plan(model_budget)
         if candidate is not None and _predicted_score(base, candidate, offload) >= found.best[0]:
@@ -957,6 +960,10 @@ def _rounds(
             else:
                 hi = min(hi, model_budget)
             ratio = aim * target / max(c.temp_bytes, 1)
+            if not ok and c.temp_bytes in missed:  # XLA packed this plan as one that missed
+                ratio = min(ratio, 1 - predicted.LAST_SHOT_MOVE)
+            if not ok:
+                missed.add(c.temp_bytes)
             if ok and c.temp_bytes >= (1 - CLOSE_ENOUGH) * target:
                 break
         else:
