@@ -511,6 +511,33 @@ def test_each_rounds_plan_that_fits_and_is_the_cheapest_so_far_has_its_grad_step
     assert found.best[2].temp_bytes == 1000
 
 
+class _PackedAlike(_Rounds):
+    """`_Rounds` whose plans above a model budget of 950 all compile to 1,005 temp bytes (XLA
+    packs them alike), just over a target of 1,000."""
+
+    def compile_with_grad(self, plan):
+        c = super().compile_with_grad(plan)
+        return c if c.temp_bytes <= 950 else self.Compiled(1005, c.flops, fixed_bytes=0)
+
+
+def test_a_round_that_misses_as_an_earlier_one_did_moves_the_next_well_lower():
+    """Rounds at 1,000 and 995 (a step in proportion to a 0.5% miss) both compile 1,005
+    bytes: the third moves `LAST_SHOT_MOVE` lower (to 950, which fits), not another 0.5%
+    into the same packing."""
+    from jremat._src.search import predicted
+    from jremat._src.search import solve as solve_module
+
+    fake = _PackedAlike(lambda b: 10_000 - 6 * b)
+    found = solve_module.Candidates(1000, lambda p, c: c.flops, stage={})
+    found.stage = dict(anchors=[], floor=[], rounds=[], mixes=[], carried=[])
+    xs, ys = np.array([0.0, 1000.0]), np.array([0.0, 1000.0])
+    cal = solve_module.Calibration([], False, 0.0, 2000.0, xs, ys, 1000.0, [])
+    solve_module._rounds(fake, fake, cal, found, max_rounds=3, offload=None)
+    assert fake.compiled[:2] == [1000, 995]
+    assert fake.compiled[2] == int(995 * (1 - predicted.LAST_SHOT_MOVE)) == 950
+    assert found.best[2].temp_bytes == 950
+
+
 def _fitting_anchor(fake, temp, flops):
     plan = Plan([Segment(0, temp, "dots_saveable")], "fp", 2000, recompute_flops=flops)
     return plan, fake.Compiled(temp, 1e6 + flops, fixed_bytes=0)
