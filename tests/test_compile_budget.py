@@ -110,6 +110,8 @@ def test_compile_budgets_below_what_verification_needs_are_refused_by_name(decod
             has_aux=True,
             compile_budget=3,
         )
+    with pytest.raises(ValueError, match='compile_budget must be "auto"'):
+        jremat.plan(decoder.loss, *decoder.args, budget=0.5, compile_budget=0)
     for bad in (True, 2.5, "4", "unlimited"):
         with pytest.raises(TypeError, match='compile_budget must be "auto"'):
             jremat.plan(decoder.loss, *decoder.args, budget=0.5, compile_budget=bad)

@@ -102,12 +102,13 @@ def check_compile_budget(value: Any) -> int | str | None:
     """
     if value is None or (isinstance(value, str) and value == "auto"):
         return value
-    if as_int("compile_budget", value) is None:
-        raise TypeError(
-            'compile_budget must be "auto" (the default), None (no limit) or an int >= 1, got '
-            f"{type(value).__name__} {value!r}"
-        )
-    return check_count("compile_budget", value)
+    forms = '"auto" (the default), None (no limit) or an int >= 1'
+    count = as_int("compile_budget", value)
+    if count is None:
+        raise TypeError(f"compile_budget must be {forms}, got {type(value).__name__} {value!r}")
+    if count < 1:
+        raise ValueError(f"compile_budget must be {forms}, got {value!r}")
+    return count
 
 
 def check_flag(name: str, value: Any) -> bool:
