@@ -104,8 +104,7 @@ class PlanCache:
       ValueError: an invalid budget or solver; `max_rounds` below 1.
       TypeError: `offload` is not None, a bool or a `jremat.OffloadCost`; `verify` is not a
         bool; `max_rounds` is not an int or `compile_budget` not an int, "auto" or None (a
-        bool included); `plan_dir`
-        not a folder, None or False.
+        bool included); `plan_dir` not a folder, None or False.
     """
 
     def __init__(

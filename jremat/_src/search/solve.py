@@ -509,8 +509,7 @@ def _budget_spent(prog: Program, spec: Budget, offload: OffloadCost | None, solv
     smallest = spec.in_caller_unit(least, base.temp_bytes, base.fixed_bytes)
     raise InfeasibleBudgetError(
         f"budget={spec.raw!r}: the compile budget of {prog.compile_budget} compiles ran out "
-        f"before a "
-        f"plan within it was verified; the lowest plan verified reaches "
+        f"before a plan within it was verified; the lowest plan verified reaches "
         f"{spec.describe(smallest)}. Raise compile_budget (None: no limit), or the budget.",
         budget=spec.raw,
         smallest_reachable=smallest,
@@ -960,9 +959,9 @@ def _rounds(
             else:
                 hi = min(hi, model_budget)
             ratio = aim * target / max(c.temp_bytes, 1)
-            if not ok and c.temp_bytes in missed:  # XLA packed this plan as one that missed
-                ratio = min(ratio, 1 - predicted.LAST_SHOT_MOVE)
             if not ok:
+                if c.temp_bytes in missed:  # XLA packed this plan as one that missed
+                    ratio = min(ratio, 1 - predicted.LAST_SHOT_MOVE)
                 missed.add(c.temp_bytes)
             if ok and c.temp_bytes >= (1 - CLOSE_ENOUGH) * target:
                 break
