@@ -261,6 +261,66 @@ def test_the_aimed_search_spends_the_budget_and_meets_the_target(decoder, aimed,
     assert aims == [f"aim {i + 1}" for i in range(len(search.compiled))]
 
 
+def _aims(plan: jremat.Plan) -> list[float]:
+    """The model budgets the aimed search's plans were aimed at, in order (its plan notes)."""
+    return [
+        float(n.split("model budget ")[1].split(" ")[0].replace(",", ""))
+        for n in plan.notes
+        if n.startswith("aim ") and "model budget" in n
+    ]
+
+
+def test_while_nothing_fits_each_aim_moves_far_below_the_last(decoder, aimed, monkeypatch):
+    """Under a compile budget, a correction in proportion to a small miss gives a plan XLA
+    packs as the one that missed: while no plan fits, each aim is `MISS_MOVE` at least below
+    the one before. Here the first aim is over the target (`AIM_FIRST` 1.3) and the
+    correction is made to move 0.5% only; the aims still step down by `MISS_MOVE` until one
+    fits, which is returned, both steps within the target."""
+    monkeypatch.setattr(predicted, "AIM_FIRST", 1.3)
+    monkeypatch.setattr(predicted, "_aim", lambda model, compiled, t: compiled_aims[-1] * 0.995)
+    compiled_aims: list[float] = []
+    real_try = predicted.Search.try_plan
+
+    def try_plan(self, plan, label, with_grad=False):
+        compiled_aims.append(float(label.split("model budget ")[1].replace(",", "")))
+        return real_try(self, plan, label, with_grad)
+
+    monkeypatch.setattr(predicted.Search, "try_plan", try_plan)
+    prog = Program(decoder.loss, decoder.args, 0)
+    plan = solve(prog, parse_budget(0.5), solver=M.SOLVER, compile_budget=10)
+    (search,) = aimed
+    target = 0.5 * plan.baseline_temp_bytes
+    assert search.compiled[0][1].temp_bytes > target  # the first aim missed
+    first_fit = next(i for i, (_, c) in enumerate(search.compiled) if c.temp_bytes <= target)
+    for a, b in zip(compiled_aims[:first_fit], compiled_aims[1 : first_fit + 1], strict=True):
+        assert b <= a * (1 - predicted.MISS_MOVE) + 1, compiled_aims  # the label rounds
+    assert plan.measured_temp_bytes <= target and prog.grad_step_temp(plan) <= target
+
+
+@pytest.mark.parametrize("min_gain", [0.0, 1.0])
+def test_once_a_plan_fits_the_aimed_search_stops_where_the_model_prices_little_gain(
+    decoder, aimed, monkeypatch, min_gain
+):
+    """Under a compile budget a plan that fits ends the aimed search where the model prices
+    the next plan's recompute less than `MIN_GAIN` of the baseline's FLOPs below its own: at
+    1.0 (every gain too small) the first plan that fits is the last compiled, where the
+    search goes on (0.0) after it. Either way the plan returned fits on both steps."""
+    monkeypatch.setattr(predicted, "MIN_GAIN", min_gain)
+    monkeypatch.setattr(predicted, "AIM_FIRST", 0.6)  # fits far under the target: room to gain
+    prog = Program(decoder.loss, decoder.args, 0)
+    plan = solve(prog, parse_budget(0.5), solver=M.SOLVER, compile_budget=10)
+    (search,) = aimed
+    target = 0.5 * plan.baseline_temp_bytes
+    fits = [c.temp_bytes <= target for _, c in search.compiled]
+    assert fits[0]
+    if min_gain:
+        assert len(search.compiled) == 1
+        assert "not compiled" in search.log[-1]
+    else:
+        assert len(search.compiled) > 1
+    assert plan.measured_temp_bytes <= target and prog.grad_step_temp(plan) <= target
+
+
 def test_the_aimed_search_hands_over_where_its_model_misreads_the_program(
     decoder, aimed, monkeypatch
 ):

@@ -522,7 +522,7 @@ class _PackedAlike(_Rounds):
 
 def test_a_round_that_misses_as_an_earlier_one_did_moves_the_next_well_lower():
     """Rounds at 1,000 and 995 (a step in proportion to a 0.5% miss) both compile 1,005
-    bytes: the third moves `LAST_SHOT_MOVE` lower (to 950, which fits), not another 0.5%
+    bytes: the third moves `MISS_MOVE` lower (to 950, which fits), not another 0.5%
     into the same packing."""
     from jremat._src.search import predicted
     from jremat._src.search import solve as solve_module
@@ -534,7 +534,7 @@ def test_a_round_that_misses_as_an_earlier_one_did_moves_the_next_well_lower():
     cal = solve_module.Calibration([], False, 0.0, 2000.0, xs, ys, 1000.0, [])
     solve_module._rounds(fake, fake, cal, found, max_rounds=3, offload=None)
     assert fake.compiled[:2] == [1000, 995]
-    assert fake.compiled[2] == int(995 * (1 - predicted.LAST_SHOT_MOVE)) == 950
+    assert fake.compiled[2] == int(995 * (1 - predicted.MISS_MOVE)) == 950
     assert found.best[2].temp_bytes == 950
 
 

@@ -230,6 +230,29 @@ def test_function_in_a_checked_shard_map_body(make, fn):
     check_exact_and_within(make, fn, fn, 0.8)
 
 
+def test_a_loss_with_aux_in_a_checked_shard_map_body():
+    """`has_aux=True` inside a body: the per-device program jremat compiles returns the
+    (loss, aux) pair (it reshaped the pair as one array); the step with the aux inside the
+    body equals the plain one's, the aux included, and the budget holds per device."""
+
+    def loss(p, xb):
+        for q in p:
+            xb = layer(q, xb)
+        return jnp.mean(xb**2), xb.sum(axis=0)
+
+    def step(f):
+        body = lambda p, xb: jax.lax.pmean(  # noqa: E731
+            jax.value_and_grad(f, has_aux=True)(p, xb), "data"
+        )
+        return jax.jit(checked(body, (P(), P("data")), P()))
+
+    params = _layers(3)
+    d = jremat.auto(loss, budget=0.8, has_aux=True, plan_dir=False, max_rounds=1)
+    chex.assert_trees_all_close(step(d)(params, X), step(loss)(params, X), atol=1e-6, rtol=1e-5)
+    (p,) = d.plans.values()
+    assert p.measured_temp_bytes <= 0.8 * p.baseline_temp_bytes
+
+
 # -- the avals jremat re-traces at ----------------------------------------------------------
 def test_values_keep_their_varying_axes_and_names_are_read_in_the_body():
     """Inside a checked body a traced value's aval (`Value.struct`) carries the axes it varies

@@ -557,7 +557,7 @@ def tie_for(tie: Any, x: Any) -> Any:
 
 
 def bind_axes(
-    fn: Callable[..., Any], axes: Mapping[str, int], args: Sequence[Any]
+    fn: Callable[..., Any], axes: Mapping[str, int], args: Sequence[Any], has_aux: bool = False
 ) -> tuple[Callable[..., Any], tuple]:
     """The per-device program of a `shard_map` body, compilable on its own.
 
@@ -566,7 +566,8 @@ def bind_axes(
     Returns `(g, global_args)`: `g` runs `fn` under a `shard_map` over a fresh mesh with these
     axes, each argument that varies over axes V given a leading dimension split over V (and
     dropped inside), the others replicated, so that `fn` sees exactly the shapes and types it
-    sees in the body; `g` returns the sum of the per-device losses.
+    sees in the body; `g` returns the sum of the per-device losses (with `has_aux`, `fn`
+    returns `(loss, aux)` and `g` that sum and the aux, each leaf stacked over the devices).
     """
     mesh = make_mesh(dict(axes))
     flat, tree = jax.tree_util.tree_flatten(args)
@@ -583,13 +584,18 @@ def bind_axes(
     def body(*flat_in: Any) -> Any:
         local = [a.reshape(a.shape[1:]) if v else a for a, v in zip(flat_in, lifted, strict=True)]
         out = fn(*jax.tree_util.tree_unflatten(tree, local))
-        return out.reshape((1,) * len(axes))
+        lead = (1,) * len(axes)
+        if not has_aux:
+            return out.reshape(lead)
+        loss, aux = out
+        return loss.reshape(lead), jax.tree_util.tree_map(lambda a: a.reshape(lead + a.shape), aux)
 
     every = PartitionSpec(*axes)
     sm = _compat.shard_map(body, mesh, in_specs=tuple(specs), out_specs=every, check=True)
 
     def g(*a: Any) -> Any:
-        return sm(*jax.tree_util.tree_leaves(a)).sum()
+        out = sm(*jax.tree_util.tree_leaves(a))
+        return (out[0].sum(), out[1]) if has_aux else out.sum()
 
     return g, tuple(jax.tree_util.tree_unflatten(tree, glob))
 

@@ -358,7 +358,7 @@ def compile_figures(
         return run(fn, args, True)
     if batching is not None:  # jremat.auto plans a vmap inside a shard_map body per example
         raise ValueError("compile_figures: batching inside a shard_map body is not supported")
-    g, global_args = sharding.bind_axes(fn, manual_axes, args)
+    g, global_args = sharding.bind_axes(fn, manual_axes, args, has_aux)
     exe, flops = outside_trace(lambda: run(g, global_args, False))
     inner = outside_trace(data_parallel)
     if MemoryFigures.of(inner).temp_bytes > MemoryFigures.of(exe).temp_bytes:

@@ -59,9 +59,10 @@ class Search:
 
     def try_plan(self, plan: Plan, label: str, with_grad: bool = False) -> Compiled:
         """Compile `plan` (with `with_grad`, its `jit(grad)` step alongside where there are
-        the threads: `Program.compile_with_grad`), log it, and make it the best where it fits
-        and scores lower."""
-        c = self.prog.compile_with_grad(plan) if with_grad else self.prog.compile(plan)
+        the CPUs: `Program.compile_with_grad(likely_returned=True)`), log it, and make it
+        the best where it fits and scores lower."""
+        prog = self.prog
+        c = prog.compile_with_grad(plan, likely_returned=True) if with_grad else prog.compile(plan)
         self.compiled.append((plan, c))
         ok = c.temp_bytes <= self.target
         self.log.append(f"{label} -> compiled temp {c.temp_bytes:,} ({'fits' if ok else 'over'})")
@@ -89,10 +90,13 @@ def run_budgeted(
     above the model's minimum where that is below it (`FLOOR_MARGIN`). Each next aim is
     the model budget that the compiled plans' (temp, modelled bytes) map `target` to
     (`_aim`), `AIM_MARGIN` lower after a miss; an aim that gives a plan compiled already
-    moves down (after a miss) or up (after a fit) by `AIM_STEP`, `AIM_STEPS` times at most.
+    moves down (after a miss) or up (after a fit) by `AIM_STEP`, `AIM_STEPS` times at most;
+    under a compile budget, while nothing fits, each aim is `MISS_MOVE` at least below the
+    one before, and a plan's `jit(grad)` check compiles alongside it (with the CPUs for it)
+    where the budget leaves two more plans after it, or none.
     The search ends on a plan that fits within `close_enough` of `target`, on one the model
-    prices at no less recompute than it prices the best fitting plan, or where no new plan
-    comes.
+    prices at no less recompute than the best fitting plan (under a compile budget: less than
+    `MIN_GAIN` of the baseline's FLOPs below it), or where no new plan comes.
 
     Args:
       prog: the program; its baseline is compiled.
@@ -123,6 +127,9 @@ def run_budgeted(
         aim = model.min_memory_plan(planner.name).predicted_temp_bytes * FLOOR_MARGIN
         plan = planner.plan(aim)
     keys: set[str] = set()
+    # under a compile budget (not the unlimited search's aimed candidates, `max_plans`)
+    # compiles are dear: a miss moves the aim far, a small predicted gain stops the search
+    budgeted = prog.compile_budget is not None
     aimed: list[float] = []  # the model budgets of the plans compiled
     fits = True
     while plan is not None and prog.room_for(plan):  # the plan and its jit(grad) check
@@ -136,29 +143,38 @@ def run_budgeted(
             plan = planner.plan(aim)
         if plan is None or prog.program_key(plan) in keys:
             break
-        if aimed and s.best[1] is None and _shots(prog, plan) < 2:
-            # every plan compiled missed and no plan may follow this one: aimed to fit, not to
-            # come close (not the first plan: `AIM_FIRST` is what fits where nothing missed)
-            low = min(aim, aimed[-1] * (1 - LAST_SHOT_MOVE))
-            if low < aim and (p := planner.plan(low)) is not None:
-                if prog.program_key(p) not in keys:
-                    aim, plan = low, p
         # the model's recompute of this plan against its own of the best fitting one (XLA
         # counts both differently, in either direction, by a similar factor)
-        if s.best[1] is not None and (model.cost(plan) or 0.0) >= (model.cost(s.best[1]) or 0.0):
-            s.log.append(f"aim {len(keys) + 1}: the model's recompute is no less than the best's")
-            break
+        if s.best[1] is not None and budgeted:
+            gain = (model.cost(s.best[1]) or 0.0) - (model.cost(plan) or 0.0)
+            if gain < MIN_GAIN * prog.baseline.flops:
+                s.log.append(
+                    f"aim {len(keys) + 1}: the model prices its recompute "
+                    f"{gain / max(prog.baseline.flops, 1.0):+.2%} of the baseline's FLOPs "
+                    f"under the best's, less than {MIN_GAIN:.1%}: not compiled"
+                )
+                break
         if model.predict(plan) is None:  # nothing to aim by
             s.log.append(f"the cost model does not describe {planner.name}'s plans: not aimed")
             s.trusted = False
             break
         keys.add(prog.program_key(plan))
         aimed.append(aim)
-        c = s.try_plan(plan, f"aim {len(keys)}: model budget {aim:,.0f}")
+        # its `jit(grad)` check alongside (from `SPECULATE_THREADS` CPUs: a plan returned needs
+        # it next) where the budget leaves two more plans after it, or none (the check this
+        # last plan needs is kept for it anyway); not where that would leave one, which the
+        # check would take
+        shots = _shots(prog, plan)
+        ahead = budgeted and (shots >= 3 or shots < 2)
+        c = s.try_plan(plan, f"aim {len(keys)}: model budget {aim:,.0f}", with_grad=ahead)
         fits = c.temp_bytes <= target
         if fits and c.temp_bytes >= (1 - close_enough) * target:
             break
         aim = _aim(model, s.compiled, target * (1.0 if fits else 1 - AIM_MARGIN))
+        if budgeted and s.best[1] is None:
+            # every plan compiled missed: the next moves `MISS_MOVE` at least (not the first
+            # plan: `AIM_FIRST` is what fits where nothing missed)
+            aim = min(aim, aimed[-1] * (1 - MISS_MOVE))
         plan = planner.plan(aim)
     return s
 
@@ -175,17 +191,23 @@ FIT_SCALE_LIMIT = 2.0
 AIM_FIRST = 0.92
 
 
-#: Where every plan compiled missed and the compile budget leaves one plan, that plan is aimed
-#: at least this fraction below the aim of the plan compiled last: near the target XLA
-#: compiles plans a model byte apart alike, so a correction in proportion to a small miss
-#: gives the plan that missed again. GPT-2 (6 layers, jax 0.12) at 0.7: aims at 77.8 and
-#: 76.1 MB (model) both compiled 0.04% over the target, one at 74.2 MB fits at +0.49% FLOPs
-#: (the unlimited search's: +0.46%); at 0.3 the correction of a 3% miss moved the aim 4.9%
-#: (33.3 -> 31.7 MB) and fits 1.4% under the target: where the correction moves as far, the
-#: last shot stays there. Not the first plan, where 3 compiles leave one: lowered so, it met
-#: GPT-2 at 0.3 and 0.7, but cost the residual MLP 1.4 points of FLOPs at 0.3-0.7, whose
-#: first aim fits.
-LAST_SHOT_MOVE = 0.045
+#: Where every plan compiled missed, the next is aimed at least this fraction below the aim
+#: of the plan compiled last: near the target XLA compiles plans a model byte apart alike, so
+#: a correction in proportion to a small miss gives the plan that missed again. GPT-2 (6
+#: layers, jax 0.12) at 0.7: aims at 77.8 and 76.1 MB (model) both compiled 0.04% over the
+#: target, one at 74.2 MB fits at +0.49% FLOPs (the unlimited search's: +0.46%); at 0.3 the
+#: correction of a 3% miss moved the aim 4.9% (33.3 -> 31.7 MB) and fits 1.4% under the
+#: target: where the correction moves as far, it stays there. Not the first plan: lowered
+#: so, it met GPT-2 at 0.3 and 0.7, but cost the residual MLP 1.4 points of FLOPs at
+#: 0.3-0.7, whose first aim fits.
+MISS_MOVE = 0.045
+
+#: Once a plan fits, the next is compiled only where the model prices its recompute at least
+#: this fraction of the baseline's FLOPs below the best fitting plan's: a compile (seconds
+#: to minutes) for less is not worth it on a first call. GPT-2 (6 layers, jax 0.12) at 0.5:
+#: the first plan fit 7.8% under the target at +0.75% FLOPs; two more compiles came to
+#: +0.70%.
+MIN_GAIN = 0.002
 
 #: Where the first plan compiled over the target, the correction is aimed this fraction
 #: lower still: near the target, plans a model byte apart compile up to 5% apart.
@@ -223,7 +245,8 @@ def run_loops(
     grow along it and the first that fits is the cheapest of them. Then mixes of it and the
     policy before it (the unrematerialized loop before the first): the most iterations under
     the cheaper one that the two compiled temps, interpolated, fit, corrected by the miss
-    (`MIX_TRIES` compiles at most). Nested settings (sqrt(L) loops) are the full search's:
+    (`MIX_TRIES` compiles at most; under a compile budget not where the two policies'
+    compiled FLOPs price the mix's saving under `MIN_GAIN`). Nested settings (sqrt(L) loops) are the full search's:
     where no body policy fits, the returned search has no plan. Where a compile budget leaves
     too few plans to walk to the last policy and mix, `_loops_budgeted` picks the policies
     (the floor first) and the mixes aim `PREDICT_MARGIN` under the target.
@@ -238,7 +261,7 @@ def run_loops(
         return s
     units, build = families
     base = prog.baseline
-    before: tuple[str, float, float] = (KEEP, base.temp_bytes, base.flops)
+    before: tuple[str, float, float | None] = (KEEP, base.temp_bytes, base.flops)
     walk = mixing.UNIT_POLICIES[1:]
     shots = _shots(prog, build([walk[-1]] * units))
     aim = target
@@ -275,6 +298,16 @@ def run_loops(
             break
         if not prog.room_for(mix):
             break
+        if prog.compile_budget is not None and before[2] is not None:
+            # as `run_budgeted`'s: a mix that saves little is not worth a compile
+            gain = n * (fit[2] - before[2]) / units
+            if gain < MIN_GAIN * base.flops:
+                s.log.append(
+                    f"loop mix: {n} x {before[0]} of {units} would save "
+                    f"{gain / max(base.flops, 1.0):.2%} of the baseline's FLOPs, less than "
+                    f"{MIN_GAIN:.1%}: not compiled"
+                )
+                break
         c = s.try_plan(mix, f"loop mix: {n} x {before[0]} of {units}")
         if c.temp_bytes <= target:
             mix_fits = True
@@ -285,7 +318,8 @@ def run_loops(
         # every mix compiled over the target: the loop's temp is far from linear in the split;
         # the full search's mixes and nested settings may use the room the pure policy left,
         # where that policy recomputes enough more than the one before it (`HAND_OVER_GAP`)
-        gap = (fit[2] - before[2]) / max(base.flops, 1.0)
+        # (before's FLOPs not compiled: no hand-over on them)
+        gap = 0.0 if before[2] is None else (fit[2] - before[2]) / max(base.flops, 1.0)
         s.trusted = gap < HAND_OVER_GAP
         s.log.append(
             f"{mixes_missed} loop mixes compiled over the target; {fit[0]} recomputes "
@@ -304,10 +338,10 @@ def _shots(prog: Program, plan: Plan) -> float:
 
 def _loops_budgeted(
     s: Search, units: int, build: Callable[[list[str]], Plan], shots: float
-) -> tuple[tuple[str, float, float], tuple[str, float, float]] | None:
+) -> tuple[tuple[str, float, float | None], tuple[str, float, float]] | None:
     """`run_loops`' body policies where the compile budget leaves `shots` plans, too few to
     walk to the floor: ((policy, temp, FLOPs) of the policy to mix in, that of the policy
-    that fits), or None where none was found to fit.
+    that fits), or None where none was found to fit; FLOPs None where not compiled.
 
     With two shots or more, the floor (`nothing_saveable` on every iteration: where it does
     not fit, no body policy does) compiles first; the other policies' temps are read off the
@@ -339,13 +373,16 @@ def _loops_budgeted(
     fit = (walk[-1], floor.temp_bytes, floor.flops)
     i = next((i for i, p in enumerate(walk[:-1], 1) if temp[p] <= (1 - PREDICT_MARGIN) * target), 0)
     if i == 0:  # none predicted to fit: mixes of the floor and the policy before it
-        return (order[-2], temp[order[-2]], floor.flops), fit
+        return (order[-2], temp[order[-2]], None), fit
     c = s.try_plan(build([order[i]] * units), f"loop body {order[i]} (predicted to fit)")
     if c.temp_bytes > target:  # mixes of it and the floor
         return (order[i], c.temp_bytes, c.flops), fit
     prev = order[i - 1]
-    flops = base.flops if prev == KEEP else c.flops  # unknown: no hand-over on it
-    return (prev, temp[prev], flops), (order[i], c.temp_bytes, c.flops)
+    return (prev, temp[prev], base.flops if prev == KEEP else None), (
+        order[i],
+        c.temp_bytes,
+        c.flops,
+    )
 
 
 #: Under a compile budget too tight to walk the body policies (`_loops_budgeted`), a policy

@@ -921,7 +921,7 @@ def _rounds(
     recomputes no less than the best fitting plan compiled (the model undercounts XLA's
     recompute, docs/design.md#verification: a closer plan would only recompute more), or
     when the bracket of model budgets is narrower than 0.5%. A plan that misses at the
-    compiled temp of an earlier miss moves the next at least `predicted.LAST_SHOT_MOVE`
+    compiled temp of an earlier miss moves the next at least `predicted.MISS_MOVE`
     lower (a step in proportion to the miss gave the same packing). `offer` (default: the plan
     joins stage "rounds" and is offered), `lo` and `hi` (the model budgets known to fit /
     miss) serve the second model's rounds (`_second_model`)."""
@@ -961,7 +961,7 @@ def _rounds(
             ratio = aim * target / max(c.temp_bytes, 1)
             if not ok:
                 if c.temp_bytes in missed:  # XLA packed this plan as one that missed
-                    ratio = min(ratio, 1 - predicted.LAST_SHOT_MOVE)
+                    ratio = min(ratio, 1 - predicted.MISS_MOVE)
                 missed.add(c.temp_bytes)
             if ok and c.temp_bytes >= (1 - CLOSE_ENOUGH) * target:
                 break
