@@ -246,10 +246,11 @@ def run_loops(
     policy before it (the unrematerialized loop before the first): the most iterations under
     the cheaper one that the two compiled temps, interpolated, fit, corrected by the miss
     (`MIX_TRIES` compiles at most; under a compile budget not where the two policies'
-    compiled FLOPs price the mix's saving under `MIN_GAIN`). Nested settings (sqrt(L) loops) are the full search's:
-    where no body policy fits, the returned search has no plan. Where a compile budget leaves
-    too few plans to walk to the last policy and mix, `_loops_budgeted` picks the policies
-    (the floor first) and the mixes aim `PREDICT_MARGIN` under the target.
+    compiled FLOPs price the mix's saving under `MIN_GAIN`). Nested settings (sqrt(L)
+    loops) are the full search's: where no body policy fits, the returned search has no
+    plan. Where a compile budget leaves too few plans to walk to the last policy and mix,
+    `_loops_budgeted` picks the policies (the floor first) and the mixes aim
+    `PREDICT_MARGIN` under the target.
 
     Returns:
       The `Search` (its `planner` is None); `best` is `(inf, None, None)` where no body policy
