@@ -6,6 +6,7 @@
     python benchmarks/plan_cost.py --depth      # trace + solve without compiles, by depth
     python benchmarks/plan_cost.py --full-search  # without the best-first search: the "before"
     python benchmarks/plan_cost.py --compile-budgets auto,3,4,none   # a row per compile budget
+    python benchmarks/plan_cost.py --tables-from A.jsonl,B.jsonl   # the table of earlier runs
 
 Per cell (a model at a budget) in a fresh process per model:
 
@@ -423,7 +424,19 @@ def main() -> None:
         help="comma-separated compile budgets of auto: ints, 'auto' (the default's), 'none' "
         "(the unlimited search); a row each",
     )
+    ap.add_argument(
+        "--tables-from",
+        help="comma-separated JSON-lines files of earlier runs (--json): print their table "
+        "only, rows of every file together (compile budgets of several runs side by side)",
+    )
     a = ap.parse_args()
+    if a.tables_from:
+        rows = []
+        for path in a.tables_from.split(","):
+            with open(path) as f:
+                rows.extend(json.loads(line) for line in f if line.strip())
+        print(table(rows))
+        return
     if a.full_search:
         os.environ[FULL_SEARCH_ENV] = "1"
     if a.depth:
