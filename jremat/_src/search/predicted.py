@@ -95,8 +95,9 @@ def run_budgeted(
     one before, and a plan's `jit(grad)` check compiles alongside it (with the CPUs for it)
     where the budget leaves two more plans after it, or none.
     The search ends on a plan that fits within `close_enough` of `target`, on one the model
-    prices at no less recompute than the best fitting plan (under a compile budget: less than
-    `MIN_GAIN` of the baseline's FLOPs below it), or where no new plan comes.
+    prices at no less recompute than the best fitting plan (under a compile budget: one
+    expected to recompute less than `MIN_GAIN` of the baseline's FLOPs less,
+    `_compiled_gain`), or where no new plan comes.
 
     Args:
       prog: the program; its baseline is compiled.
@@ -144,16 +145,20 @@ def run_budgeted(
         if plan is None or prog.program_key(plan) in keys:
             break
         # the model's recompute of this plan against its own of the best fitting one (XLA
-        # counts both differently, in either direction, by a similar factor)
+        # counts both differently, in either direction, by a similar factor); under a
+        # compile budget, a plan expected to gain little is not worth its compile either
         if s.best[1] is not None and budgeted:
-            gain = (model.cost(s.best[1]) or 0.0) - (model.cost(plan) or 0.0)
+            gain = _compiled_gain(model, prog.baseline, s.best, plan)
             if gain < MIN_GAIN * prog.baseline.flops:
                 s.log.append(
-                    f"aim {len(keys) + 1}: the model prices its recompute "
-                    f"{gain / max(prog.baseline.flops, 1.0):+.2%} of the baseline's FLOPs "
-                    f"under the best's, less than {MIN_GAIN:.1%}: not compiled"
+                    f"aim {len(keys) + 1}: expected to recompute "
+                    f"{gain / max(prog.baseline.flops, 1.0):.2%} of the baseline's FLOPs less "
+                    f"than the best fitting plan, under {MIN_GAIN:.1%}: not compiled"
                 )
                 break
+        elif s.best[1] is not None and (model.cost(plan) or 0.0) >= (model.cost(s.best[1]) or 0.0):
+            s.log.append(f"aim {len(keys) + 1}: the model's recompute is no less than the best's")
+            break
         if model.predict(plan) is None:  # nothing to aim by
             s.log.append(f"the cost model does not describe {planner.name}'s plans: not aimed")
             s.trusted = False
@@ -202,11 +207,12 @@ AIM_FIRST = 0.92
 #: 0.3-0.7, whose first aim fits.
 MISS_MOVE = 0.045
 
-#: Once a plan fits, the next is compiled only where the model prices its recompute at least
-#: this fraction of the baseline's FLOPs below the best fitting plan's: a compile (seconds
-#: to minutes) for less is not worth it on a first call. GPT-2 (6 layers, jax 0.12) at 0.5:
-#: the first plan fit 7.8% under the target at +0.75% FLOPs; two more compiles came to
-#: +0.70%.
+#: Under a compile budget, once a plan fits, the next is compiled only where it is expected
+#: to recompute at least this fraction of the baseline's FLOPs less than the best fitting
+#: plan (`_compiled_gain`): a compile (seconds to minutes) for less is not worth it on a
+#: first call. GPT-2 (6 layers, jax 0.12) at 0.5: the first plan fit 7.8% under the target
+#: at +0.77% FLOPs; two more compiles came to +0.70%. (Without a budget the rounds have no
+#: such bound: docs/design.md#the-full-search says why.)
 MIN_GAIN = 0.002
 
 #: Where the first plan compiled over the target, the correction is aimed this fraction
@@ -216,6 +222,17 @@ AIM_MARGIN = 0.02
 #: How far (a fraction) the aim moves when it gives a plan compiled already, and how often.
 AIM_STEP = 0.02
 AIM_STEPS = 5
+
+
+def _compiled_gain(model: Any, base: Compiled, best: tuple, plan: Plan) -> float:
+    """The FLOPs `plan` is expected to recompute less than `best` (score, plan, compiled
+    figures: the best fitting plan so far): the model's difference, scaled by `best`'s
+    compiled over modelled recompute (the model counts recompute 1.8x low on GPT-2, 10-20x
+    on the zoo's residual MLP). Where XLA counts `best` no recompute, no plan can gain."""
+    modelled = model.cost(best[1]) or 0.0
+    compiled = best[2].flops - base.flops
+    scale = compiled / modelled if modelled > 0 else 1.0
+    return scale * (modelled - (model.cost(plan) or 0.0))
 
 
 def _aim(model: Any, compiled: list[tuple[Plan, Compiled]], target: float) -> float:
