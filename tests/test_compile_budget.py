@@ -65,6 +65,27 @@ def test_where_the_budget_runs_out_in_the_full_search_the_cheapest_verified_plan
     assert any(plan.measured_flops == c.flops for _, c in prog.tried)
 
 
+def test_the_default_compile_budget_is_lifted_where_the_compiles_run_out_mid_search(
+    decoder, monkeypatch
+):
+    """Cut short where the full search runs out among its reference plans, an int budget
+    returns the cheapest plan compiled so far; the default ("auto", here 4 compiles) goes
+    on without a limit instead and returns the unlimited search's plan (the same FLOPs),
+    within the budget on both steps."""
+    monkeypatch.setattr(solve_module, "NO_RECOMPUTE_FIRST", False)
+    from jremat._src.search import predicted
+
+    monkeypatch.setattr(predicted, "FIT_SCALE_LIMIT", 1.0)  # the aimed search hands over
+    monkeypatch.setattr(solve_module, "AUTO_COMPILE_STEPS", 1)
+    default = solve(Program(decoder.loss, decoder.args, 0), parse_budget(0.6), solver=M.SOLVER,
+                    compile_budget="auto")  # fmt: skip
+    unlimited = solve(Program(decoder.loss, decoder.args, 0), parse_budget(0.6), solver=M.SOLVER)
+    assert default.compiles > 4
+    assert not any("compile budget of" in n for n in default.notes)
+    assert default.measured_flops == unlimited.measured_flops
+    assert default.measured_temp_bytes <= 0.6 * default.baseline_temp_bytes
+
+
 def test_a_budget_that_runs_out_before_any_plan_fits_states_a_floor_that_holds(decoder):
     """Three compiles at a budget the aimed plan misses: `InfeasibleBudgetError` says the
     compile budget ran out, and its smallest reachable budget is met when planned at."""
