@@ -257,7 +257,7 @@ def test_the_aimed_search_spends_the_budget_and_meets_the_target(decoder, aimed,
     assert prog.grad_step_temp(plan) <= target
     fitting = [c.flops for _, c in search.compiled if c.temp_bytes <= target]
     assert plan.measured_flops == min(fitting)
-    aims = [n.split(":")[0] for n in plan.notes if n.startswith("aim ")]
+    aims = [n.split(":")[0] for n in plan.notes if n.startswith("aim ") and "model budget" in n]
     assert aims == [f"aim {i + 1}" for i in range(len(search.compiled))]
 
 
@@ -319,6 +319,28 @@ def test_once_a_plan_fits_the_aimed_search_stops_where_the_model_prices_little_g
     else:
         assert len(search.compiled) > 1
     assert plan.measured_temp_bytes <= target and prog.grad_step_temp(plan) <= target
+
+
+def test_an_aimed_search_the_default_budget_cuts_short_goes_on_without_it(
+    decoder, aimed, monkeypatch
+):
+    """Where the compile budget leaves no room for a plan the aimed search would compile
+    next (every gain worth a compile here, `MIN_GAIN` 0, its first plan far under the
+    target), an int budget returns the best plan so far within it; the default's budget
+    (here 4 compiles) is lifted instead and the search goes on. Both fit on both steps."""
+    monkeypatch.setattr(predicted, "MIN_GAIN", 0.0)
+    monkeypatch.setattr(predicted, "AIM_FIRST", 0.6)
+    monkeypatch.setattr(solve_module, "AUTO_COMPILE_STEPS", 1)
+    plans = {}
+    for compile_budget in (4, "auto"):
+        prog = Program(decoder.loss, decoder.args, 0)
+        plans[compile_budget] = (solve(prog, parse_budget(0.5), solver=M.SOLVER,
+                                       compile_budget=compile_budget), prog)  # fmt: skip
+        assert "no compiles left for it" in aimed[-1].log[-1] or compile_budget == "auto"
+    assert plans[4][0].compiles <= 4 < plans["auto"][0].compiles
+    for plan, prog in plans.values():
+        target = 0.5 * plan.baseline_temp_bytes
+        assert plan.measured_temp_bytes <= target and prog.grad_step_temp(plan) <= target
 
 
 def test_the_aimed_search_hands_over_where_its_model_misreads_the_program(

@@ -198,6 +198,10 @@ class Program:
         self.compile_budget: int | None = None
         #: whole-program compiles made so far (each `value_and_grad` and `jit(grad)` step)
         self.compiles_spent = 0
+        #: whether `compile_budget` is the default's ("auto"): a search it cuts short (a plan
+        #: worth compiling left without room) raises `CompileBudgetSpent`, and `solve` goes on
+        #: without it, rather than return the best plan so far
+        self.budget_lifts = False
         self._anchors: dict = {}
         self.objective = Objective() if objective is None else objective
         self._lock = threading.RLock()  # `_steps` and `tried`, written by compile threads

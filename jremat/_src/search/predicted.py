@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from jremat._src.compile.program import Compiled, Program
+from jremat._src.compile.program import CompileBudgetSpent, Compiled, Program
 from jremat._src.plan.plan import KEEP, Plan
 from jremat._src.search import mixing
 
@@ -133,7 +133,7 @@ def run_budgeted(
     budgeted = prog.compile_budget is not None
     aimed: list[float] = []  # the model budgets of the plans compiled
     fits = True
-    while plan is not None and prog.room_for(plan):  # the plan and its jit(grad) check
+    while plan is not None:
         if max_plans is not None and len(keys) >= max_plans:
             break
         step = 1 + AIM_STEP if fits else 1 - AIM_STEP
@@ -162,6 +162,9 @@ def run_budgeted(
         if model.predict(plan) is None:  # nothing to aim by
             s.log.append(f"the cost model does not describe {planner.name}'s plans: not aimed")
             s.trusted = False
+            break
+        if not prog.room_for(plan):  # the plan and its jit(grad) check
+            _cut_short(prog, s, f"aim {len(keys) + 1}")
             break
         keys.add(prog.program_key(plan))
         aimed.append(aim)
@@ -222,6 +225,15 @@ AIM_MARGIN = 0.02
 #: How far (a fraction) the aim moves when it gives a plan compiled already, and how often.
 AIM_STEP = 0.02
 AIM_STEPS = 5
+
+
+def _cut_short(prog: Program, s: Search, label: str) -> None:
+    """The compile budget leaves no room for the plan the search would compile next: logged,
+    and under the default's budget (`Program.budget_lifts`) `CompileBudgetSpent`, so that
+    `solve` goes on without it (the best plan so far is the answer of a search cut short)."""
+    s.log.append(f"{label}: no compiles left for it")
+    if prog.budget_lifts:
+        raise CompileBudgetSpent(f"{prog.compiles_spent} of {prog.compile_budget} compiles spent")
 
 
 def _compiled_gain(model: Any, base: Compiled, best: tuple, plan: Plan) -> float:
@@ -314,8 +326,6 @@ def run_loops(
         mix.notes.append(f"mix: {n} x {before[0]}, {units - n} x {fit[0]} of {units} units")
         if prog.program_key(mix) in {prog.program_key(p) for p, _ in s.compiled}:
             break
-        if not prog.room_for(mix):
-            break
         if prog.compile_budget is not None and before[2] is not None:
             # as `run_budgeted`'s: a mix that saves little is not worth a compile
             gain = n * (fit[2] - before[2]) / units
@@ -326,6 +336,9 @@ def run_loops(
                     f"{MIN_GAIN:.1%}: not compiled"
                 )
                 break
+        if not prog.room_for(mix):
+            _cut_short(prog, s, f"loop mix: {n} x {before[0]} of {units}")
+            break
         c = s.try_plan(mix, f"loop mix: {n} x {before[0]} of {units}")
         if c.temp_bytes <= target:
             mix_fits = True

@@ -326,12 +326,12 @@ def solve(
             f"step in a shard_map body): pass compile_budget>={needed}, or None for no limit"
         )
     prog.compile_budget, prog.compiles_spent = compile_budget, 0
+    prog.budget_lifts = lift = soft and compile_budget is not None
     search = functools.partial(_search, prog, spec, solver, verify, max_rounds, max_cuts, offload)
     # the default's cap never refuses a budget the unlimited search meets, nor states another
     # floor, nor returns a plan of a search cut short (the cheapest compiled so far: on the
     # zoo's residual MLP at 0.3, jax 0.10, a reference plan at +18.2% FLOPs, where the search
     # goes on to +2.1%): there the search goes on without it (nothing compiled twice)
-    lift = soft and compile_budget is not None
     try:
         try:
             p = search()
@@ -344,11 +344,11 @@ def solve(
         if p is None:
             logger.info("the default compile budget ended the search: the unlimited one follows")
             prog.settle()
-            prog.compile_budget = None
+            prog.compile_budget, prog.budget_lifts = None, False
             p = search()
     finally:
         prog.settle()  # no `jit(grad)` compile started ahead outlives the search
-        spent, prog.compile_budget = prog.compiles_spent, None
+        spent, prog.compile_budget, prog.budget_lifts = prog.compiles_spent, None, False
     p.compiles = spent
     return p
 
