@@ -12,6 +12,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jremat._src.base import compat as _compat
@@ -588,7 +589,9 @@ def bind_axes(
         if not has_aux:
             return out.reshape(lead)
         loss, aux = out
-        return loss.reshape(lead), jax.tree_util.tree_map(lambda a: a.reshape(lead + a.shape), aux)
+        return loss.reshape(lead), jax.tree_util.tree_map(
+            lambda a: jnp.reshape(a, lead + jnp.shape(a)), aux
+        )
 
     every = PartitionSpec(*axes)
     sm = _compat.shard_map(body, mesh, in_specs=tuple(specs), out_specs=every, check=True)

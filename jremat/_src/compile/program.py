@@ -67,8 +67,10 @@ AUTO_MILP_NODES = 16
 
 class CompileBudgetSpent(Exception):
     """A compile the search asked for would exceed the program's `compile_budget` (leaving
-    none for the `jit(grad)` check of a plan it compiles). Internal: `solve` catches it and
-    returns the best plan verified so far (docs/guides/planning-cost.md)."""
+    none for the `jit(grad)` check of a plan it compiles), or the search it cuts short under
+    the default's budget (`Program.budget_lifts`). Internal: `solve` catches it and returns
+    the best plan verified so far, or under the default goes on without a limit
+    (docs/guides/planning-cost.md)."""
 
 
 #: Threads `Program.compile_many` compiles in: one per CPU (XLA:CPU compiles a program on one
@@ -187,8 +189,6 @@ class Program:
         self._steps: dict[str, tuple[Compiled, Any, float]] = {}
         self._runnable: set[str] = set()  # keys of `_steps` compiled to run (`step`)
         self._grad_temps: dict[str, int] = {}
-        #: keys whose `jit(grad)` check `compile_with_grad` charged up front (with the step)
-        self._grad_paid: set[str] = set()
         #: `grad_step_ahead`'s compiles in flight, by plan key, and its one worker thread
         self._grad_ahead: dict[str, concurrent.futures.Future] = {}
         self._ahead_pool: concurrent.futures.ThreadPoolExecutor | None = None
@@ -378,14 +378,8 @@ class Program:
         return 2 if self.has_aux else 1
 
     def _step_reserve(self, plan: Plan | None) -> int:
-        """Compiles a plan's step leaves for its `jit(grad)` check (none for the baseline, or
-        where that check is charged already)."""
-        if plan is None or plan.is_identity:
-            return 0
-        with self._lock:
-            if self.program_key(plan) in self._grad_paid:
-                return 0
-        return self.grad_check_compiles(plan)
+        """Compiles a plan's step leaves for its `jit(grad)` check (none for the baseline)."""
+        return 0 if plan is None or plan.is_identity else self.grad_check_compiles(plan)
 
     def room_for(self, plan: Plan) -> bool:
         """Whether the compile budget leaves `plan`'s step and its `jit(grad)` check."""
@@ -462,21 +456,17 @@ class Program:
         with self._lock:
             found = self._grad_temps.get(key)
         if found is None:
-            with self._lock:
-                charge = key not in self._grad_paid
             f = self.objective.step_fn(self, plan)
-            found = self._grad_only_temp(f, self.has_aux, charge)
+            found = self._grad_only_temp(f, self.has_aux)
             if self.has_aux:  # the caller's step may drop the aux: XLA then schedules anew
-                found = max(found, self._grad_only_temp(_loss_only(f), False, charge))
+                found = max(found, self._grad_only_temp(_loss_only(f), False))
             with self._lock:
                 self._grad_temps[key] = found
         return found
 
-    def _grad_only_temp(self, f: Callable[..., Any], has_aux: bool, charge: bool = True) -> int:
-        """Compiled temp bytes of `jit(grad(f))` at this program's arguments (counted against
-        the compile budget with `charge`)."""
-        if charge:
-            self._charge()
+    def _grad_only_temp(self, f: Callable[..., Any], has_aux: bool) -> int:
+        """Compiled temp bytes of `jit(grad(f))` at this program's arguments."""
+        self._charge()
         exe = compile_step(
             f,
             self.args,
@@ -489,29 +479,21 @@ class Program:
         )
         return MemoryFigures.of(exe).temp_bytes
 
-    def compile_with_grad(self, plan: Plan, *, likely_returned: bool = False) -> Compiled:
+    def compile_with_grad(self, plan: Plan) -> Compiled:
         """`compile(plan)`, with the `jit(grad)` step of `grad_step_temp(plan)` compiled at the
         same time in a second thread (where plans compile in threads), so that a plan about to
         be returned has both figures after one compile's wall time. Figures and memo as
-        `compile` then `grad_step_temp`. Only with `SPECULATE_THREADS` compile threads or more
-        (a round that is not returned wastes its `jit(grad)` compile, which costs wall time
-        where no CPU is idle: on 2 CPUs two XLA:CPU compiles at once take about as long as
-        one after the other) and, unless `likely_returned` (the caller expects to return
-        `plan`, and leaves the budget room for it), no compile budget."""
-        speculate = COMPILE_THREADS >= SPECULATE_THREADS and (
-            likely_returned or self.compile_budget is None
-        )
-        if not (self.threads_ok and speculate and self._grad_step_apart(plan)):
+        `compile` then `grad_step_temp`. Only with `SPECULATE_THREADS` compile threads or more:
+        a round that is not returned wastes its `jit(grad)` compile, which costs wall time
+        where no CPU is idle."""
+        if (
+            not self.threads_ok
+            or COMPILE_THREADS < SPECULATE_THREADS
+            or self.compile_budget is not None  # its `jit(grad)` step may not be needed
+        ):
             return self.compile(plan)
-        if self.grad_known(plan):
+        if not self._grad_step_apart(plan):
             return self.compile(plan)
-        # both steps charged here, before either thread starts: the budget's count does not
-        # depend on which finishes first (the step's charge then leaves no room for its check)
-        key = self.program_key(plan)
-        if key not in self._steps:
-            self._charge(self.grad_check_compiles(plan), reserve=self.step_compiles)
-            with self._lock:
-                self._grad_paid.add(key)
         context = contextvars.copy_context()
         with concurrent.futures.ThreadPoolExecutor(1, "jremat-compile") as pool:
             ahead = pool.submit(context.run, self._grad_temp, plan)

@@ -59,10 +59,9 @@ class Search:
 
     def try_plan(self, plan: Plan, label: str, with_grad: bool = False) -> Compiled:
         """Compile `plan` (with `with_grad`, its `jit(grad)` step alongside where there are
-        the CPUs: `Program.compile_with_grad(likely_returned=True)`), log it, and make it
+        the threads: `Program.compile_with_grad`), log it, and make it
         the best where it fits and scores lower."""
-        prog = self.prog
-        c = prog.compile_with_grad(plan, likely_returned=True) if with_grad else prog.compile(plan)
+        c = self.prog.compile_with_grad(plan) if with_grad else self.prog.compile(plan)
         self.compiled.append((plan, c))
         ok = c.temp_bytes <= self.target
         self.log.append(f"{label} -> compiled temp {c.temp_bytes:,} ({'fits' if ok else 'over'})")
@@ -92,8 +91,7 @@ def run_budgeted(
     (`_aim`), `AIM_MARGIN` lower after a miss; an aim that gives a plan compiled already
     moves down (after a miss) or up (after a fit) by `AIM_STEP`, `AIM_STEPS` times at most;
     under a compile budget, while nothing fits, each aim is `MISS_MOVE` at least below the
-    one before, and a plan's `jit(grad)` check compiles alongside it (with the CPUs for it)
-    where the budget leaves two more plans after it, or none.
+    one before.
     The search ends on a plan that fits within `close_enough` of `target`, on one the model
     prices at no less recompute than the best fitting plan (under a compile budget: one
     expected to recompute less than `MIN_GAIN` of the baseline's FLOPs less,
@@ -128,8 +126,8 @@ def run_budgeted(
         aim = model.min_memory_plan(planner.name).predicted_temp_bytes * FLOOR_MARGIN
         plan = planner.plan(aim)
     keys: set[str] = set()
-    # under a compile budget (not the unlimited search's aimed candidates, `max_plans`)
-    # compiles are dear: a miss moves the aim far, a small predicted gain stops the search
+    # under a compile budget compiles are dear: a miss moves the aim far, a small expected
+    # gain stops the search
     budgeted = prog.compile_budget is not None
     aimed: list[float] = []  # the model budgets of the plans compiled
     fits = True
@@ -168,13 +166,7 @@ def run_budgeted(
             break
         keys.add(prog.program_key(plan))
         aimed.append(aim)
-        # its `jit(grad)` check alongside (from `SPECULATE_THREADS` CPUs: a plan returned needs
-        # it next) where the budget leaves two more plans after it, or none (the check this
-        # last plan needs is kept for it anyway); not where that would leave one, which the
-        # check would take
-        shots = _shots(prog, plan)
-        ahead = budgeted and (shots >= 3 or shots < 2)
-        c = s.try_plan(plan, f"aim {len(keys)}: model budget {aim:,.0f}", with_grad=ahead)
+        c = s.try_plan(plan, f"aim {len(keys)}: model budget {aim:,.0f}")
         fits = c.temp_bytes <= target
         if fits and c.temp_bytes >= (1 - close_enough) * target:
             break
@@ -242,7 +234,7 @@ def _compiled_gain(model: Any, base: Compiled, best: tuple, plan: Plan) -> float
     compiled over modelled recompute (the model counts recompute 1.8x low on GPT-2, 10-20x
     on the zoo's residual MLP). Where XLA counts `best` no recompute, no plan can gain."""
     modelled = model.cost(best[1]) or 0.0
-    compiled = best[2].flops - base.flops
+    compiled = max(best[2].flops - base.flops, 0.0)  # XLA counts no recompute: none to gain
     scale = compiled / modelled if modelled > 0 else 1.0
     return scale * (modelled - (model.cost(plan) or 0.0))
 
