@@ -35,7 +35,11 @@ def test_auto_meets_fraction_budget(cache, name, fraction):
     base = cache.baseline(name).temp_bytes  # jremat.measure of the original function
     got = jremat.measure(wrapped, *m.args)
     assert got.temp_bytes <= fraction * base
-    assert got.temp_bytes == plan.measured_temp_bytes  # the figure the plan recorded
+    # the plan records the larger of its value_and_grad and jit(grad) figures (XLA may
+    # schedule either higher: jax 0.10's decoder at 0.3, 2,433,024 and 2,435,072 bytes)
+    assert got.temp_bytes <= plan.measured_temp_bytes <= fraction * base
+    grad_step = jax.jit(jax.grad(wrapped)).lower(*m.args).compile()
+    assert grad_step.memory_analysis().temp_size_in_bytes <= fraction * base
     assert plan.baseline_temp_bytes == base
     assert plan.budget == fraction and plan.budget_temp_bytes == int(fraction * base)
     # rematerializing costs compute: the compiled step recomputes some forward work
