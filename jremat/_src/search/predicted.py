@@ -59,8 +59,8 @@ class Search:
 
     def try_plan(self, plan: Plan, label: str, with_grad: bool = False) -> Compiled:
         """Compile `plan` (with `with_grad`, its `jit(grad)` step alongside where there are
-        the threads: `Program.compile_with_grad`), log it, and make it
-        the best where it fits and scores lower."""
+        the threads: `Program.compile_with_grad`), log it, and make it the best where it fits
+        and scores lower."""
         c = self.prog.compile_with_grad(plan) if with_grad else self.prog.compile(plan)
         self.compiled.append((plan, c))
         ok = c.temp_bytes <= self.target
@@ -147,12 +147,7 @@ def run_budgeted(
         # compile budget, a plan expected to gain little is not worth its compile either
         if s.best[1] is not None and budgeted:
             gain = _compiled_gain(model, prog.baseline, s.best, plan)
-            if gain < MIN_GAIN * prog.baseline.flops:
-                s.log.append(
-                    f"aim {len(keys) + 1}: expected to recompute "
-                    f"{gain / max(prog.baseline.flops, 1.0):.2%} of the baseline's FLOPs less "
-                    f"than the best fitting plan, under {MIN_GAIN:.1%}: not compiled"
-                )
+            if _gains_too_little(s, gain, f"aim {len(keys) + 1}"):
                 break
         elif s.best[1] is not None and (model.cost(plan) or 0.0) >= (model.cost(s.best[1]) or 0.0):
             s.log.append(f"aim {len(keys) + 1}: the model's recompute is no less than the best's")
@@ -226,6 +221,19 @@ def _cut_short(prog: Program, s: Search, label: str) -> None:
     s.log.append(f"{label}: no compiles left for it")
     if prog.budget_lifts:
         raise CompileBudgetSpent(f"{prog.compiles_spent} of {prog.compile_budget} compiles spent")
+
+
+def _gains_too_little(s: Search, gain: float, label: str) -> bool:
+    """Whether a plan expected to recompute `gain` FLOPs less than the best so far is under
+    `MIN_GAIN` of the baseline's FLOPs, not worth a compile under a compile budget (logged)."""
+    flops = s.prog.baseline.flops
+    if gain >= MIN_GAIN * flops:
+        return False
+    s.log.append(
+        f"{label}: expected to recompute {gain / max(flops, 1.0):.2%} of the baseline's FLOPs "
+        f"less than the best plan so far, under {MIN_GAIN:.1%}: not compiled"
+    )
+    return True
 
 
 def _compiled_gain(model: Any, base: Compiled, best: tuple, plan: Plan) -> float:
@@ -321,12 +329,7 @@ def run_loops(
         if prog.compile_budget is not None and before[2] is not None:
             # as `run_budgeted`'s: a mix that saves little is not worth a compile
             gain = n * (fit[2] - before[2]) / units
-            if gain < MIN_GAIN * base.flops:
-                s.log.append(
-                    f"loop mix: {n} x {before[0]} of {units} would save "
-                    f"{gain / max(base.flops, 1.0):.2%} of the baseline's FLOPs, less than "
-                    f"{MIN_GAIN:.1%}: not compiled"
-                )
+            if _gains_too_little(s, gain, f"loop mix: {n} x {before[0]} of {units}"):
                 break
         if not prog.room_for(mix):
             _cut_short(prog, s, f"loop mix: {n} x {before[0]} of {units}")
@@ -401,11 +404,8 @@ def _loops_budgeted(
     if c.temp_bytes > target:  # mixes of it and the floor
         return (order[i], c.temp_bytes, c.flops), fit
     prev = order[i - 1]
-    return (prev, temp[prev], base.flops if prev == KEEP else None), (
-        order[i],
-        c.temp_bytes,
-        c.flops,
-    )
+    fit = (order[i], c.temp_bytes, c.flops)
+    return (prev, temp[prev], base.flops if prev == KEEP else None), fit
 
 
 #: Under a compile budget too tight to walk the body policies (`_loops_budgeted`), a policy
