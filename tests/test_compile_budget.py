@@ -94,6 +94,7 @@ def test_a_budget_that_runs_out_before_any_plan_fits_states_a_floor_that_holds(d
     compile budget ran out, and its smallest reachable budget is met when planned at."""
     with pytest.raises(jremat.InfeasibleBudgetError, match="compile budget of 3") as e:
         jremat.plan(decoder.loss, *decoder.args, budget=0.05, compile_budget=3)
+    assert e.value.__context__ is None  # no internal exception in the user's traceback
     again = jremat.plan(decoder.loss, *decoder.args, budget=e.value.smallest_reachable)
     assert again.measured_temp_bytes <= e.value.smallest_reachable * again.baseline_temp_bytes
 

@@ -333,14 +333,18 @@ def solve(
     # zoo's residual MLP at 0.3, jax 0.10, a reference plan at +18.2% FLOPs, where the search
     # goes on to +2.1%): there the search goes on without it (nothing compiled twice)
     try:
+        spent_out = False
         try:
             p = search()
         except CompileBudgetSpent:
-            p = None if lift else _budget_spent(prog, spec, offload, solver)
+            p, spent_out = None, True
         except InfeasibleBudgetError:
             if not lift:
                 raise
             p = None
+        if spent_out and not lift:
+            # outside the handler: a refusal's traceback shows no internal exception
+            p = _budget_spent(prog, spec, offload, solver)
         if p is None:
             logger.info("the default compile budget ended the search: the unlimited one follows")
             prog.settle()
