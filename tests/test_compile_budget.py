@@ -99,6 +99,21 @@ def test_a_budget_that_runs_out_before_any_plan_fits_states_a_floor_that_holds(d
     assert again.measured_temp_bytes <= e.value.smallest_reachable * again.baseline_temp_bytes
 
 
+def test_an_aimed_refusals_floor_plans_under_the_same_compile_budget():
+    """Under 3 compiles the one aimed plan moves with the target: the residual MLP at 0.3 was
+    refused at 0.3303, where a call aimed at another plan and was refused at 0.3395 (jax
+    0.12). The floor stated is one a call under the same compile budget meets."""
+    m = M.mlp_chain()
+    with pytest.raises(jremat.InfeasibleBudgetError, match="compile budget of 3") as e:
+        jremat.plan(m.loss, *m.args, budget=0.3, compile_budget=3)
+    at = e.value.smallest_reachable
+    assert "the lowest plan verified reaches" in str(e.value)
+    plan = jremat.plan(m.loss, *m.args, budget=at, compile_budget=3)
+    assert plan.compiles <= 3
+    assert plan.measured_temp_bytes <= at * plan.baseline_temp_bytes
+    assert _grad_temp(jremat.rematerialize(m.loss, plan), m.args) <= at * plan.baseline_temp_bytes
+
+
 def test_the_default_compile_budget_is_lifted_where_no_plan_fits_within_it(decoder, monkeypatch):
     """The default ("auto") never refuses a budget the unlimited search meets: cut to the 3
     compiles verification needs, with the one aimed plan they leave aimed over the target

@@ -187,13 +187,15 @@ def source_context(eqn: Any) -> Any:
         return contextlib.nullcontext()
 
 
-def user_frames(eqn: Any) -> list[Any] | None:
-    """The user frames (`file_name`, `start_line`, `function_name`) of `eqn`'s traceback,
-    innermost first, or None where this jax cannot say."""
+def user_frames_of(traceback: Any) -> list[Any] | None:
+    """The user frames (`file_name`, `start_line`, `function_name`) of an equation's
+    `source_info.traceback`, innermost first, or None where this jax cannot say."""
+    if traceback is None:
+        return None
     try:
         from jax._src import source_info_util as siu
 
-        return list(siu.user_frames(eqn.source_info.traceback))
+        return list(siu.user_frames(traceback))
     except Exception:  # noqa: BLE001 - source info is best effort across versions
         return None
 

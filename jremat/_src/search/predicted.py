@@ -113,18 +113,14 @@ def run_budgeted(
     """
     s = Search(prog, planner, target, score, close_enough)
     model = planner.model
-    scale = (model.weights or {}).get("keep", 1.0)
-    if not 1 / FIT_SCALE_LIMIT <= scale <= FIT_SCALE_LIMIT:
+    if not fit_trusted(model):
         # XLA holds a multiple of the modelled bytes for the unrematerialized program: the
         # model misreads it, so its aim means nothing here
+        scale = model.weights["keep"]
         s.log.append(f"the baseline compiles to {scale:.2f}x its modelled bytes: not aimed")
         s.trusted = False
         return s
-    aim = target * AIM_FIRST
-    plan = planner.plan(aim)
-    if plan is None:  # below the model's minimum: XLA packs the lowest plans tighter
-        aim = model.min_memory_plan(planner.name).predicted_temp_bytes * FLOOR_MARGIN
-        plan = planner.plan(aim)
+    aim, plan = first_aim(planner, target)
     keys: set[str] = set()
     # under a compile budget compiles are dear: a miss moves the aim far, a small expected
     # gain stops the search
@@ -245,6 +241,27 @@ def _compiled_gain(model: Any, base: Compiled, best: tuple, plan: Plan) -> float
     compiled = max(best[2].flops - base.flops, 0.0)  # XLA counts no recompute: none to gain
     scale = compiled / modelled if modelled > 0 else 1.0
     return scale * (modelled - (model.cost(plan) or 0.0))
+
+
+def fit_trusted(model: Any) -> bool:
+    """Whether `run_budgeted` aims by `model` (fitted to the baseline): its scale of kept
+    segments' stores is within `FIT_SCALE_LIMIT`."""
+    scale = (model.weights or {}).get("keep", 1.0)
+    return 1 / FIT_SCALE_LIMIT <= scale <= FIT_SCALE_LIMIT
+
+
+def first_aim(planner: Any, target: float) -> tuple[float, Plan | None]:
+    """(model budget, plan) of `run_budgeted`'s first plan at `target` compiled temp bytes:
+    the planner's plan at `AIM_FIRST` of the target, or where that is below the model's
+    minimum, at `FLOOR_MARGIN` above it (XLA packs the lowest plans tighter). It depends on
+    the target and the baseline alone, so a refusal can tell which plan a call at another
+    target compiles first (`solve._first_compiled`)."""
+    aim = target * AIM_FIRST
+    plan = planner.plan(aim)
+    if plan is None:
+        aim = planner.model.min_memory_plan(planner.name).predicted_temp_bytes * FLOOR_MARGIN
+        plan = planner.plan(aim)
+    return aim, plan
 
 
 def _aim(model: Any, compiled: list[tuple[Plan, Compiled]], target: float) -> float:

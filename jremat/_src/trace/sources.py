@@ -8,6 +8,7 @@ of equations comes from as `file.py:12:16-32 (fn)`, the path relative to the wor
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
 from collections.abc import Iterable
@@ -29,6 +30,7 @@ def _library_dirs() -> tuple[str, ...]:
     return tuple(dirs)
 
 
+@functools.lru_cache(maxsize=4096)
 def is_library_file(path: str) -> bool:
     """Whether `path` is library code: an installed package, or jremat, jax, flax ..."""
     if "site-packages" in path or "dist-packages" in path:
@@ -39,7 +41,18 @@ def is_library_file(path: str) -> bool:
 def user_frame(eqn: Any) -> Any | None:
     """The innermost frame of `eqn`'s traceback in the user's code (`file_name`,
     `function_name`, `start_line`, `start_column`, ...), or None where none is known."""
-    frames = _compat.user_frames(eqn)
+    traceback = getattr(getattr(eqn, "source_info", None), "traceback", None)
+    try:
+        return _user_frame_of(traceback)
+    except TypeError:  # a traceback this jax cannot hash: read it each time
+        return _user_frame_of.__wrapped__(traceback)
+
+
+# equations of one layer share tracebacks, and a plan's report reads every equation: reading
+# a traceback's frames once saves seconds on a first call (GPT-2, 6 layers: 2.3 s of 17 s)
+@functools.lru_cache(maxsize=16384)
+def _user_frame_of(traceback: Any) -> Any | None:
+    frames = _compat.user_frames_of(traceback)
     for fr in frames or ():
         if not is_library_file(fr.file_name):
             return fr
