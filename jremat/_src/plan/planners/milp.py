@@ -118,9 +118,8 @@ class MILPPlanner(OnSegmentModel):
         start = self._warm_start(edges, model_budget)
         if start is not None and cost @ start <= 0:
             # no plan costs less than none recomputed (costs are FLOPs and transfer times,
-            # >= 0): HiGHS returns the start unchanged, after a presolve (its probing, which
-            # the node limit does not bound) of 20 to 35 s on the 29-cut program of
-            # tests/test_explain.py's BatchNorm net
+            # >= 0): HiGHS would return the start unchanged, after building and solving the
+            # root LP for nothing
             return self._as_plan(self._path(start, edges), 0.0, 0.0, "start costs nothing")
         csc, lo, hi = self._rows(edges, model_budget)
         upper = np.concatenate([np.ones(E), np.ones(m)])
