@@ -576,8 +576,8 @@ def _budget_spent(
         reached = spec.in_caller_unit(lowest, base.temp_bytes, base.fixed_bytes)
         found = (
             f"the lowest plan verified reaches {spec.describe(reached)}, but a call there "
-            f"would aim at another plan first; the smallest budget that holds under "
-            f"compile_budget={prog.compile_budget} is {spec.describe(smallest)}"
+            f"under compile_budget={prog.compile_budget} would compile another plan first, "
+            f"which may miss; the budget known to hold under it is {spec.describe(smallest)}"
         )
     raise InfeasibleBudgetError(
         f"budget={spec.raw!r}: the compile budget of {prog.compile_budget} compiles ran out "

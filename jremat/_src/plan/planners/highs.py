@@ -38,7 +38,8 @@ HANGING_HEURISTICS = ("mip_heuristic_run_root_reduced_cost",)
 #: 1.16.0) it took 23-33 s of each 24-33 s solve, so `jremat.explain` at 0.9 spent 99 s where
 #: it spends 17 s without it (the class of HiGHS issue #2478). Over 36 solves of three test
 #: models (a 4-layer residual MLP, a dropout chain, the BatchNorm net; 12 budgets each) the
-#: plans were the same, in 3.8-5x less time.
+#: plans were the same, in 3.8-5x less time (not every solve gains: the custom-VJP chain's
+#: `"milp"` solve at 0.5 took 32 s against 8 s with presolve, the same plan; docs/design.md).
 PRESOLVE = "off"
 
 
