@@ -13,7 +13,6 @@ from __future__ import annotations
 import subprocess
 import sys
 
-import chex
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -355,7 +354,7 @@ def test_undeclared_train_flag_and_methods_given_as_functions():
     v = planned.init(jax.random.key(0), x)
     got = jax.jit(jax.grad(lambda v, x: planned.apply(v, x, True)))(v, x)
     want = jax.grad(lambda v, x: net(Block).apply(v, x, True))(v, x)
-    chex.assert_trees_all_close(got, want, rtol=1e-5)
+    assert_trees_close(got, want)
     assert "encode" in jremat.auto(Block, budget=0.9, verify=False, methods=[Block.encode]).__dict__
     with pytest.raises(TypeError, match="methods must be None, a method name"):
         jremat.auto(Block, budget=0.9, methods=[3])

@@ -8,7 +8,7 @@ import chex
 import jax
 import jax.numpy as jnp
 import pytest
-from models import mlp_chain
+from models import F32_RTOL, assert_trees_close, mlp_chain
 
 import jremat
 
@@ -49,7 +49,7 @@ def check_runs_as_verified(f, plan, args, reference):
     """Loss, aux and gradients equal the unrematerialized ones, and the caller's compiled step
     is within the plan's budget, whose baseline is the unrematerialized step with its aux."""
     expected, baseline_temp = reference
-    chex.assert_trees_all_close(jax.value_and_grad(f, has_aux=True)(*args), expected, rtol=1e-5)
+    assert_trees_close(jax.value_and_grad(f, has_aux=True)(*args), expected, F32_RTOL)
     assert plan.baseline_temp_bytes == baseline_temp
     assert step_temp_bytes(f, args) <= plan.budget_temp_bytes < baseline_temp
 
@@ -81,7 +81,7 @@ def test_microbatch_of_auto_with_aux(chain, reference):
     loss, (params, x) = chain
     f = jremat.auto(loss, budget=BUDGET, has_aux=True, solver="chain", verify=False)
     got = jremat.microbatch(f, 2, has_aux=True)(params, x)
-    chex.assert_trees_all_close(got, jremat.microbatch(loss, 2, has_aux=True)(params, x), rtol=1e-5)
+    assert_trees_close(got, jremat.microbatch(loss, 2, has_aux=True)(params, x), F32_RTOL)
 
 
 def test_a_pair_without_has_aux_names_it(chain):
@@ -141,7 +141,7 @@ def test_plan_training_with_aux(chain, reference):
     )
     tp = jremat.plan_training(loss, *args, budget=footprint, candidates=[1], has_aux=True)
     assert (tp.num_microbatches, tp.plan, tp.compiled_footprint_bytes) == (1, None, footprint)
-    chex.assert_trees_all_close(tp.value_and_grad(*args), expected, rtol=1e-5)
+    assert_trees_close(tp.value_and_grad(*args), expected, F32_RTOL)
     two = jremat.plan_training(
         loss, *args, budget=footprint, candidates=[2], remat_budgets=(), has_aux=True
     )

@@ -267,7 +267,10 @@ def test_a_loss_closing_over_the_callers_tracers_reads_its_figures():
         loss = jremat.auto(lambda p: mlp(p, x), budget=0.9, plan_dir=False)
         return jax.grad(loss)(params)
 
-    chex.assert_trees_all_close(step(params, x), jax.jit(jax.grad(mlp))(params, x))
+    # float32 rounding of a recomputed forward: atol relative to the largest gradient entry
+    want = jax.jit(jax.grad(mlp))(params, x)
+    scale = max(float(jnp.max(jnp.abs(w))) for w in jax.tree.leaves(want))
+    chex.assert_trees_all_close(step(params, x), want, rtol=1e-5, atol=1e-5 * scale)
 
 
 @needs_libtpu
