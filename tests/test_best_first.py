@@ -321,6 +321,41 @@ def test_once_a_plan_fits_the_aimed_search_stops_where_the_model_prices_little_g
     assert plan.measured_temp_bytes <= target and prog.grad_step_temp(plan) <= target
 
 
+def test_the_default_budgets_search_plans_alike_on_one_two_and_four_compile_threads(
+    decoder, aimed, monkeypatch
+):
+    """On 2 compile threads the default's search compiles the layer recipe on in the
+    background while it plans its first aim, and an aimed plan's `jit(grad)` check starts in
+    the background once the plan is the best so far; from 4, the check compiles alongside
+    each aimed plan. None of it changes what the search decides: the plans compiled, the
+    plan returned and the search's own compiles are those of one thread. A check compiled
+    ahead is charged when read; one never read (here the default's budget is lifted and
+    the full search returns another plan) is counted apart and in `Plan.compiles`."""
+    from jremat._src.compile import program
+
+    got = {}
+    for threads in (1, 2, 4):
+        monkeypatch.setattr(program, "COMPILE_THREADS", threads)
+        prog = Program(decoder.loss, decoder.args, 0)
+        plan = solve(prog, parse_budget(0.5), solver=M.SOLVER, compile_budget="auto")
+        got[threads] = (plan, prog, aimed[-1])
+    one, one_prog, one_search = got[1]
+    assert one_prog.compiles_ahead_unread == 0
+    for threads in (2, 4):
+        plan, prog, search = got[threads]
+        assert (plan.segments, plan.measured_temp_bytes, plan.measured_flops) == (
+            one.segments,
+            one.measured_temp_bytes,
+            one.measured_flops,
+        )
+        assert [c for _, c in search.compiled] == [c for _, c in one_search.compiled]
+        assert [p.segments for p, _ in prog.tried] == [p.segments for p, _ in one_prog.tried]
+        assert 1 <= prog.compiles_ahead_unread <= len(prog.tried)
+        assert plan.compiles == one.compiles + prog.compiles_ahead_unread
+        target = 0.5 * plan.baseline_temp_bytes
+        assert plan.measured_temp_bytes <= target and prog.grad_step_temp(plan) <= target
+
+
 def test_an_aimed_search_the_default_budget_cuts_short_goes_on_without_it(
     decoder, aimed, monkeypatch
 ):

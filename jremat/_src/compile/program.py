@@ -189,8 +189,14 @@ class Program:
         self._steps: dict[str, tuple[Compiled, Any, float]] = {}
         self._runnable: set[str] = set()  # keys of `_steps` compiled to run (`step`)
         self._grad_temps: dict[str, int] = {}
-        #: `grad_step_ahead`'s compiles in flight, by plan key, and its one worker thread
+        #: `grad_step_ahead`'s compiles in flight, by plan key, and the one worker thread of
+        #: compiles started ahead (`_submit_ahead`)
         self._grad_ahead: dict[str, concurrent.futures.Future] = {}
+        #: `grad_step_ahead`'s compiles under the default's compile budget, by plan key, and
+        #: how many compiles each is: charged when `grad_step_temp` reads it (see there)
+        self._grad_unpaid: dict[str, int] = {}
+        #: `compile_many(..., rest_in_background=True)`'s compiles, by plan key
+        self._steps_ahead: dict[str, concurrent.futures.Future] = {}
         self._ahead_pool: concurrent.futures.ThreadPoolExecutor | None = None
         self.tried: list[tuple[Plan, Compiled]] = []  # every plan compiled on this program
         #: whole-program compiles one search may spend (both steps of a plan count), or None:
@@ -242,6 +248,11 @@ class Program:
         key = self.program_key(plan)
         with self._lock:
             found = self._steps.get(key)
+            ahead = self._steps_ahead.get(key)
+        if found is None and ahead is not None:
+            ahead.result()  # compiled in the background: its figures, or its error
+            with self._lock:
+                found = self._steps[key]
         return (found or self._store(plan, self._compile_step(plan)))[0]
 
     def step(self, plan: Plan | None) -> tuple[Compiled, Any, float]:
@@ -272,11 +283,40 @@ class Program:
         not compiled again to run (`jremat.compare`'s rows)."""
         return not self.manual_axes and figures_only_is_default(self.args)
 
-    def compile_many(self, plans: Sequence[Plan | None]) -> list[Compiled]:
+    def compile_many(
+        self, plans: Sequence[Plan | None], *, rest_in_background: bool = False
+    ) -> list[Compiled]:
         """`compile` of each plan; those not compiled yet are compiled in parallel threads
         (XLA's compiler releases the GIL; `COMPILE_THREADS` at most). Figures, `tried` and
         memo are those of compiling them one after another in this order, whatever order the
-        threads finish in."""
+        threads finish in.
+
+        With `rest_in_background` (two plans, as `_compile_baseline`'s baseline and recipe),
+        it returns `[compile(plans[0])]` once that is compiled, while the second compiles on
+        in a background thread, where there are two compile threads: the caller plans on the
+        first's figures meanwhile (the GIL's thread) and `compile` of the second waits for
+        it (and raises its error). The compile counts against `compile_budget` at its start,
+        as in order; `settle` waits for it."""
+        if (
+            rest_in_background
+            and len(plans) == 2
+            and self.threads_ok
+            and COMPILE_THREADS >= 2
+            and self._affordable(plans) == 2
+        ):
+            head, rest = plans
+            key = self.program_key(rest)
+            with self._lock:
+                start = key not in self._steps and key not in self._steps_ahead
+                if start:
+                    self._charge(self.step_compiles, reserve=self._step_reserve(rest))
+                    context = contextvars.copy_context()
+                    self._steps_ahead[key] = self._submit_ahead(
+                        lambda: context.run(self._compile_charged, rest)
+                    )
+            if start:
+                logger.info("compiling 2 plans in 2 threads (the second on in the background)")
+            return [self.compile(head)]
         with self._lock:
             firsts: dict[str, Plan | None] = {}  # plan key -> its first plan, in order
             for p in plans:
@@ -299,11 +339,23 @@ class Program:
                     self._store(p, step)  # in `plans` order: deterministic `tried`
         return [self.compile(p) for p in plans]
 
+    def compiling_ahead(self, plan: Plan | None) -> bool:
+        """Whether `plan` is compiling in the background now (`compile_many`'s rest)."""
+        with self._lock:
+            ahead = self._steps_ahead.get(self.program_key(plan))
+        return ahead is not None and not ahead.done()
+
+    def _compile_charged(self, plan: Plan | None) -> None:
+        """`_compile_step` of a plan charged for already (`compile_many`'s background one),
+        stored."""
+        self._store(plan, self._compile_step(plan, charged=True))
+
     def _compile_step(
-        self, plan: Plan | None, figures_only: bool = True
+        self, plan: Plan | None, figures_only: bool = True, charged: bool = False
     ) -> tuple[Compiled, Any, float]:
-        # a plan's step leaves room for its `jit(grad)` check (the baseline needs none)
-        self._charge(self.step_compiles, reserve=self._step_reserve(plan))
+        if not charged:
+            # a plan's step leaves room for its `jit(grad)` check (the baseline needs none)
+            self._charge(self.step_compiles, reserve=self._step_reserve(plan))
         f = self.objective.step_fn(self, plan)
         t0 = time.perf_counter()
         exe, flops = self.compile_fn(f, figures_only=figures_only)
@@ -348,9 +400,27 @@ class Program:
         """
         if not self._grad_step_apart(plan):
             return self.compile(plan).temp_bytes
+        key = self.program_key(plan)
         with self._lock:
-            ahead = self._grad_ahead.get(self.program_key(plan))
+            ahead = self._grad_ahead.get(key)
+            if key in self._grad_unpaid:  # started ahead, uncharged: charged now it is read
+                self._charge(self._grad_unpaid[key])
+                del self._grad_unpaid[key]
         return self._grad_temp(plan) if ahead is None else ahead.result()
+
+    @property
+    def compiles_ahead_unread(self) -> int:
+        """Compiles `grad_step_ahead` made under the default's compile budget that no
+        `grad_step_temp` read (not in `compiles_spent`; a plan's `compiles` counts them)."""
+        with self._lock:
+            return sum(self._grad_unpaid.values())
+
+    def start_counting(self, compile_budget: int | None, lifts: bool) -> None:
+        """A search begins: `compile_budget` (`budget_lifts` with `lifts`), nothing spent."""
+        with self._lock:
+            self.compile_budget, self.compiles_spent = compile_budget, 0
+            self.budget_lifts = lifts
+            self._grad_unpaid.clear()  # an earlier search's, counted by its plan
 
     def _charge(self, n: int = 1, reserve: int = 0) -> None:
         """Count `n` whole-program compiles against `compile_budget`; raise
@@ -405,7 +475,8 @@ class Program:
         if not self._grad_step_apart(plan):
             return self.program_key(plan) in self._steps
         with self._lock:
-            return self.program_key(plan) in self._grad_temps
+            key = self.program_key(plan)
+            return key in self._grad_temps and key not in self._grad_unpaid
 
     @property
     def compiles_left(self) -> float:
@@ -416,32 +487,58 @@ class Program:
 
     def grad_step_ahead(self, plan: Plan) -> None:
         """Start `grad_step_temp(plan)` in a background thread and return at once, where
-        plans compile in threads on 2 to `SPECULATE_THREADS` - 1 CPUs (from 4 up,
-        `compile_with_grad` compiles it alongside already) and the step is one of its own.
-        For the search's fitting round: its plan is most often the one returned, and its
-        `jit(grad)` check then compiles on the CPU the next round's planning and lowering
-        (one thread, the GIL's) leave idle, rather than after the search. `grad_step_temp`
-        waits for it (and raises what it raised); `settle` waits for every one started."""
+        plans compile in threads on 2 CPUs or more and the step is one of its own (not
+        where `compile_with_grad` compiled it already). For the search's best fitting plan
+        so far: it is most often the one returned, and its `jit(grad)` check then compiles
+        on the CPU the search's next planning and lowering (one thread, the GIL's) leave
+        idle, rather than after the search. `grad_step_temp` waits for it (and raises what
+        it raised); `settle` waits for every one started.
+
+        Not under a compile budget the caller set: a check the search may not need would
+        take a compile from it. Under the default's (`budget_lifts`), it is charged when
+        `grad_step_temp` reads it, so that it leaves the search the same compiles; one never
+        read is counted in `compiles_ahead_unread`. (GPT-2, 6 layers, at 0.5, one idle
+        2-CPU host: the check compiled during 0.8-1.3 s of planning that followed the plan.)"""
+        with self._lock:
+            if (task := self._grad_speculated(plan, 2)) is None:
+                return
+            self._grad_ahead[self.program_key(plan)] = self._submit_ahead(task)
+
+    def _submit_ahead(self, task: Callable[[], Any]) -> concurrent.futures.Future:
+        """`task` on the one background thread of compiles started ahead (`settle` ends it).
+        Call with `_lock` held."""
+        if self._ahead_pool is None:
+            self._ahead_pool = concurrent.futures.ThreadPoolExecutor(1, "jremat-ahead")
+        return self._ahead_pool.submit(task)
+
+    def _grad_speculated(self, plan: Plan, min_threads: int) -> Callable[[], int] | None:
+        """`grad_step_temp(plan)`'s compile as a task for another thread, where it may start
+        before the search asks for it (plans compile in threads, `min_threads` CPUs or more,
+        a step of its own not known yet, no compile budget or the default's, which leaves
+        room for it); None elsewhere. Under the default's budget it is marked unpaid (charged
+        when `grad_step_temp` reads it). Call with `_lock` held."""
+        key = self.program_key(plan)
         if not (
             self.threads_ok
-            and self.compile_budget is None  # a compile the search may not need: not spent
-            and 2 <= COMPILE_THREADS < SPECULATE_THREADS
+            and COMPILE_THREADS >= min_threads
             and self._grad_step_apart(plan)
+            and (self.compile_budget is None or self.budget_lifts)
+            and key not in self._grad_temps
+            and key not in self._grad_ahead
+            and self.compiles_left >= self.grad_check_compiles(plan)
         ):
-            return
-        key = self.program_key(plan)
-        with self._lock:
-            if key in self._grad_temps or key in self._grad_ahead:
-                return
-            if self._ahead_pool is None:
-                self._ahead_pool = concurrent.futures.ThreadPoolExecutor(1, "jremat-grad-ahead")
-            context = contextvars.copy_context()
-            self._grad_ahead[key] = self._ahead_pool.submit(context.run, self._grad_temp, plan)
+            return None
+        unpaid = self.compile_budget is not None
+        if unpaid:
+            self._grad_unpaid[key] = self.grad_check_compiles(plan)
+        context = contextvars.copy_context()
+        return lambda: context.run(self._grad_temp, plan, not unpaid)
 
     def settle(self) -> None:
-        """Wait for `grad_step_ahead`'s compiles (their errors stay with them, for a
-        `grad_step_temp` that asks) and end its thread: no compile of this program runs
-        once a search has returned."""
+        """Wait for the compiles started ahead (`grad_step_ahead`'s, `compile_many`'s in the
+        background; their errors stay with them, for a `grad_step_temp` or `compile` that
+        asks) and end their thread: no compile of this program runs once a search has
+        returned."""
         with self._lock:
             pool, self._ahead_pool = self._ahead_pool, None
         if pool is not None:
@@ -451,22 +548,24 @@ class Program:
         """Whether `grad_step_temp(plan)` compiles a `jit(grad)` step of its own (see there)."""
         return not (self.manual_axes or type(self.objective) is not Objective or offloads(plan))
 
-    def _grad_temp(self, plan: Plan | None) -> int:
+    def _grad_temp(self, plan: Plan | None, charge: bool = True) -> int:
         key = self.program_key(plan)
         with self._lock:
             found = self._grad_temps.get(key)
         if found is None:
             f = self.objective.step_fn(self, plan)
-            found = self._grad_only_temp(f, self.has_aux)
+            found = self._grad_only_temp(f, self.has_aux, charge)
             if self.has_aux:  # the caller's step may drop the aux: XLA then schedules anew
-                found = max(found, self._grad_only_temp(_loss_only(f), False))
+                found = max(found, self._grad_only_temp(_loss_only(f), False, charge))
             with self._lock:
                 self._grad_temps[key] = found
         return found
 
-    def _grad_only_temp(self, f: Callable[..., Any], has_aux: bool) -> int:
-        """Compiled temp bytes of `jit(grad(f))` at this program's arguments."""
-        self._charge()
+    def _grad_only_temp(self, f: Callable[..., Any], has_aux: bool, charge: bool = True) -> int:
+        """Compiled temp bytes of `jit(grad(f))` at this program's arguments (charged to
+        `compile_budget` unless `charge` is False: `grad_step_ahead`'s)."""
+        if charge:
+            self._charge()
         exe = compile_step(
             f,
             self.args,
@@ -483,20 +582,17 @@ class Program:
         """`compile(plan)`, with the `jit(grad)` step of `grad_step_temp(plan)` compiled at the
         same time in a second thread (where plans compile in threads), so that a plan about to
         be returned has both figures after one compile's wall time. Figures and memo as
-        `compile` then `grad_step_temp`. Only with `SPECULATE_THREADS` compile threads or more:
-        a round that is not returned wastes its `jit(grad)` compile, which costs wall time
-        where no CPU is idle."""
-        if (
-            not self.threads_ok
-            or COMPILE_THREADS < SPECULATE_THREADS
-            or self.compile_budget is not None  # its `jit(grad)` step may not be needed
-        ):
+        `compile` then `grad_step_temp`; not under a compile budget the caller set, and
+        under the default's charged when read (`grad_step_ahead`). Only with
+        `SPECULATE_THREADS` compile threads or more: a plan not returned wastes its
+        `jit(grad)` compile, which costs wall time where no CPU is idle."""
+        with self._lock:
+            room = self.compiles_left >= self.step_compiles + self._step_reserve(plan)
+            task = self._grad_speculated(plan, SPECULATE_THREADS) if room else None
+        if task is None:
             return self.compile(plan)
-        if not self._grad_step_apart(plan):
-            return self.compile(plan)
-        context = contextvars.copy_context()
         with concurrent.futures.ThreadPoolExecutor(1, "jremat-compile") as pool:
-            ahead = pool.submit(context.run, self._grad_temp, plan)
+            ahead = pool.submit(task)
             compiled = self.compile(plan)
             ahead.result()
         return compiled

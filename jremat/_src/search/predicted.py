@@ -58,15 +58,19 @@ class Search:
         return self.prog.baseline.flops + share * (extra or 0.0)
 
     def try_plan(self, plan: Plan, label: str, with_grad: bool = False) -> Compiled:
-        """Compile `plan` (with `with_grad`, its `jit(grad)` step alongside where there are
-        the threads: `Program.compile_with_grad`), log it, and make it the best where it fits
-        and scores lower."""
+        """Compile `plan`, log it, and make it the best where it fits and scores lower. With
+        `with_grad` (a plan likely to be returned), its `jit(grad)` check compiles alongside
+        it on `SPECULATE_THREADS` CPUs or more (`Program.compile_with_grad`), and on fewer
+        starts in the background once it is the best (`Program.grad_step_ahead`): a plan
+        that misses then costs no check."""
         c = self.prog.compile_with_grad(plan) if with_grad else self.prog.compile(plan)
         self.compiled.append((plan, c))
         ok = c.temp_bytes <= self.target
         self.log.append(f"{label} -> compiled temp {c.temp_bytes:,} ({'fits' if ok else 'over'})")
         if ok and self.score(plan, c) < self.best[0]:
             self.best = (self.score(plan, c), plan, c)
+            if with_grad:
+                self.prog.grad_step_ahead(plan)
         return c
 
 
@@ -78,6 +82,7 @@ def run_budgeted(
     *,
     close_enough: float,
     max_plans: int | None = None,
+    first: tuple[float, Plan | None] | None = None,
 ) -> Search:
     """Under a compile budget (`Program.compile_budget`): the planner's plans aimed at
     `target` on a model fitted to the baseline alone, each aim corrected through every plan
@@ -105,6 +110,8 @@ def run_budgeted(
       close_enough: a fraction of `target`.
       max_plans: plans compiled at most (None: as many as the budget leaves); the full
         search asks for `solve.AIMED_SHOTS` of them as its candidates.
+      first: `first_aim(planner, target)` where the caller planned it already (while a
+        compile ran), else None.
 
     Returns:
       The `Search`: untrusted (nothing compiled) where the baseline's fit is outside
@@ -120,7 +127,7 @@ def run_budgeted(
         s.log.append(f"the baseline compiles to {scale:.2f}x its modelled bytes: not aimed")
         s.trusted = False
         return s
-    aim, plan = first_aim(planner, target)
+    aim, plan = first_aim(planner, target) if first is None else first
     keys: set[str] = set()
     # under a compile budget compiles are dear: a miss moves the aim far, a small expected
     # gain stops the search
@@ -157,7 +164,10 @@ def run_budgeted(
             break
         keys.add(prog.program_key(plan))
         aimed.append(aim)
-        c = s.try_plan(plan, f"aim {len(keys)}: model budget {aim:,.0f}")
+        # with its check: an aimed plan is most often the one returned (not the full
+        # search's candidates, `max_plans`)
+        label = f"aim {len(keys)}: model budget {aim:,.0f}"
+        c = s.try_plan(plan, label, with_grad=max_plans is None)
         fits = c.temp_bytes <= target
         if fits and c.temp_bytes >= (1 - close_enough) * target:
             break

@@ -326,8 +326,8 @@ def solve(
             "and its jit(grad) check; with has_aux also each without its aux; 3 compiles a "
             f"step in a shard_map body): pass compile_budget>={needed}, or None for no limit"
         )
-    prog.compile_budget, prog.compiles_spent = compile_budget, 0
-    prog.budget_lifts = lift = soft and compile_budget is not None
+    lift = soft and compile_budget is not None
+    prog.start_counting(compile_budget, lift)
     search = functools.partial(_search, prog, spec, solver, verify, max_rounds, max_cuts, offload)
     # the default's cap never refuses a budget the unlimited search meets, nor states another
     # floor, nor returns a plan of a search cut short (the cheapest compiled so far: on the
@@ -353,7 +353,8 @@ def solve(
             p = search()
     finally:
         prog.settle()  # no `jit(grad)` compile started ahead outlives the search
-        spent, prog.compile_budget, prog.budget_lifts = prog.compiles_spent, None, False
+        spent = prog.compiles_spent + prog.compiles_ahead_unread
+        prog.compile_budget, prog.budget_lifts = None, False
     p.compiles = spent
     return p
 
@@ -399,7 +400,8 @@ def _search(
     recipe_early = first is not None and (not aimed or _room_for_recipe(prog, prog.compiles_left))
     try:
         if verify and (not best_first or recipe_early):
-            _compile_baseline(prog, spec, first, lambda: prog.planner(solver, max_cuts, offload))
+            planner = functools.partial(prog.planner, solver, max_cuts, offload)
+            _compile_baseline(prog, spec, first, planner, background=aimed)
         base = prog.baseline
     except CompileBudgetSpent:
         raise
@@ -411,11 +413,15 @@ def _search(
         p = Plan.identity(prog.graph, **meta)
         p.predicted_temp_bytes = base.temp_bytes
         return prog.record(p.annotate(prog.graph), base)
+    # the aimed search's first plan, planned while the recipe compiles on (`_compile_baseline`;
+    # not once it is compiled: where it is the answer, that planning would delay it)
+    ahead = aimed and recipe_early and prog.compiling_ahead(first)
+    aim = _first_aim(prog, target, solver, max_cuts) if ahead else None
     if recipe_early and (found := _no_recompute(prog, target, first, meta, solver)):
         return found
     carried: list[tuple[Plan, Compiled]] = []  # what the best-first search compiled
     if best_first:
-        found, carried = _best_first(prog, target, meta, score, solver, max_cuts)
+        found, carried = _best_first(prog, target, meta, score, solver, max_cuts, aim)
         if found is not None:
             return found
     if (
@@ -598,17 +604,24 @@ def _score(offload: OffloadCost | None, p: Plan, c: Compiled) -> float:
 
 
 def _compile_baseline(
-    prog: Program, spec: Budget, first: Plan | None, planner: Callable[[], Any]
+    prog: Program,
+    spec: Budget,
+    first: Plan | None,
+    planner: Callable[[], Any],
+    background: bool = False,
 ) -> None:
     """Stage 1, the baseline: where the target is likely below the unrematerialized
     program (`_likely_below`), compile that program in one parallel batch with `first` (the
     recipe that saves the most, `_no_recompute`'s) or, with no `first`, with the reference
     plans and the mixes' pure recipes (`_calibrate`'s). Elsewhere the baseline compiles
-    alone when `prog.baseline` is read."""
+    alone when `prog.baseline` is read. With `background` (the aimed search's), it returns
+    once the baseline is compiled and `first` compiles on while the caller plans the first
+    aim (`_first_aim`; GPT-2, 6 layers: the recipe's compile took 1.2 s longer than the
+    baseline's, the aim's planning 1.1 s)."""
     if not _likely_below(prog, spec, planner):
         return
     if first is not None:
-        prog.compile_many([None, first])
+        prog.compile_many([None, first], rest_in_background=background)
     else:
         prog.anchors(planner(), also=[None, *mixing.pure_plans(prog)])
 
@@ -1099,18 +1112,21 @@ def _best_first(
     score: Callable[[Plan, Compiled], float],
     solver: str,
     max_cuts: int,
+    aim: tuple[float, Plan | None] | None = None,
 ) -> tuple[Plan | None, list[tuple[Plan, Compiled]]]:
     """The plan of the best-first search (`predicted.run_loops` for scan programs; else,
-    under a compile budget, `predicted.run_budgeted`) whose `jit(grad)` step fits too, or
-    None where none fits or the model misreads the program; and every plan it compiled
-    (candidates of the full search then)."""
+    under a compile budget, `predicted.run_budgeted`, whose first aim is `aim` where given:
+    `_first_aim`'s) whose `jit(grad)` step fits too, or None where none fits or the model
+    misreads the program; and every plan it compiled (candidates of the full search then)."""
     t0 = time.perf_counter()
     if prog.has_scan:  # layers inside loops: their loop settings (search/predicted.py)
         planner = None
         found = predicted.run_loops(prog, target, score, close_enough=CLOSE_ENOUGH)
     else:  # a compile budget: plans aimed at the target while it lasts
         planner = prog.planner(solver, max_cuts, baseline_fit=True)
-        found = predicted.run_budgeted(prog, planner, target, score, close_enough=CLOSE_ENOUGH)
+        found = predicted.run_budgeted(
+            prog, planner, target, score, close_enough=CLOSE_ENOUGH, first=aim
+        )
     best, pool = found.best, list(found.compiled)
     if not found.trusted:
         logger.info("best-first search hands over to the full search: %s", found.log[-1])
@@ -1146,6 +1162,15 @@ def _best_first(
             + ("loop settings" if planner is None else "a mix of compiled recipes")
         )
     return _finish(chosen, meta, solver, prog.graph), pool
+
+
+def _first_aim(
+    prog: Program, target: float, solver: str, max_cuts: int
+) -> tuple[float, Plan | None] | None:
+    """`predicted.first_aim` of the aimed search's planner at `target`, or None where that
+    search aims nothing (`predicted.fit_trusted`)."""
+    planner = prog.planner(solver, max_cuts, baseline_fit=True)
+    return predicted.first_aim(planner, target) if predicted.fit_trusted(planner.model) else None
 
 
 #: Plans of the aimed search (`predicted.run_budgeted`, the planner's model fitted to the
