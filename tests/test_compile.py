@@ -376,6 +376,55 @@ def test_a_figures_only_compile_of_arguments_sharded_over_an_abstract_mesh():
     assert xla.xla_flops(cheap) == xla.xla_flops(concrete) > 0
 
 
+def test_a_check_started_ahead_is_charged_where_read_as_on_one_thread(monkeypatch):
+    """A `jit(grad)` check compiled ahead (`grad_step_ahead`) is charged when it is read, by
+    the search that reads it, so that each search spends what it spends on one thread:
+    under the default's budget, with no budget, in a second search on the same program
+    (`plan_training` and `compare` reuse one), and with `has_aux` (2 compiles) where one
+    compile is left. One never read is counted apart (`compiles_ahead_unread`)."""
+    from jremat._src.compile import program
+    from jremat._src.compile.program import CompileBudgetSpent
+    from jremat._src.plan.recipes import recipe_plan
+
+    loss, params, x = _mlp()
+
+    def with_aux(params, x):
+        value = loss(params, x)
+        return value, {"loss": value}
+
+    def run(threads: int) -> list:
+        monkeypatch.setattr(program, "COMPILE_THREADS", threads)
+        seen = []
+        for fn, has_aux in ((loss, False), (with_aux, True)):
+            for budget, lifts in ((10, True), (None, False)):
+                prog = Program(fn, (params, x), 0, has_aux=has_aux)
+                plan = recipe_plan(prog.graph, "nothing_saveable")
+                prog.start_counting(budget, lifts)
+                prog.compile(None)
+                prog.compile(plan)
+                prog.grad_step_ahead(plan)  # the best plan so far: its check ahead
+                prog.settle()
+                seen.append((prog.compiles_spent, prog.grad_known(plan)))
+                prog.start_counting(budget, lifts)  # a second search on this program
+                if budget is not None:
+                    prog.compiles_spent = budget - 1  # one compile left
+                try:
+                    prog.grad_step_temp(plan)
+                except CompileBudgetSpent:
+                    seen.append("spent")
+                seen.append((prog.compiles_spent, prog.grad_known(plan)))
+        return seen
+
+    one = run(1)
+    assert one == [
+        *[(2, False), (10, True)],  # the one compile left reads the check
+        *[(2, False), (1, True)],  # no budget: 1 spent by the second search
+        *[(2, False), "spent", (9, False)],  # has_aux: its check needs 2, none made
+        *[(2, False), (2, True)],
+    ]
+    assert run(2) == one
+
+
 @pytest.mark.parametrize("threads", [1, 2, 4])
 def test_a_grad_step_started_ahead_is_compiled_once_with_the_same_figure(
     compiles, monkeypatch, threads

@@ -192,9 +192,12 @@ class Program:
         #: `grad_step_ahead`'s compiles in flight, by plan key, and the one worker thread of
         #: compiles started ahead (`_submit_ahead`)
         self._grad_ahead: dict[str, concurrent.futures.Future] = {}
-        #: `grad_step_ahead`'s compiles under the default's compile budget, by plan key, and
-        #: how many compiles each is: charged when `grad_step_temp` reads it (see there)
+        #: `jit(grad)` checks compiled ahead (`_grad_speculated`) that no `grad_step_temp`
+        #: read yet, by plan key: how many compiles each is, charged when one is read, by
+        #: whichever search reads it (as a search on one thread would compile it then)
         self._grad_unpaid: dict[str, int] = {}
+        #: the keys of `_grad_unpaid` the current search started (`compiles_ahead_unread`)
+        self._grad_started: set[str] = set()
         #: `compile_many(..., rest_in_background=True)`'s compiles, by plan key
         self._steps_ahead: dict[str, concurrent.futures.Future] = {}
         self._ahead_pool: concurrent.futures.ThreadPoolExecutor | None = None
@@ -250,7 +253,12 @@ class Program:
             found = self._steps.get(key)
             ahead = self._steps_ahead.get(key)
         if found is None and ahead is not None:
-            ahead.result()  # compiled in the background: its figures, or its error
+            try:
+                ahead.result()  # compiled in the background: its figures, or its error
+            except BaseException:
+                with self._lock:  # raised once: a later call compiles it again, as in order
+                    self._steps_ahead.pop(key, None)
+                raise
             with self._lock:
                 found = self._steps[key]
         return (found or self._store(plan, self._compile_step(plan)))[0]
@@ -320,7 +328,8 @@ class Program:
         with self._lock:
             firsts: dict[str, Plan | None] = {}  # plan key -> its first plan, in order
             for p in plans:
-                if (key := self.program_key(p)) not in self._steps:
+                key = self.program_key(p)
+                if key not in self._steps and key not in self._steps_ahead:
                     firsts.setdefault(key, p)
         todo = list(firsts.values())
         if self.compile_budget is not None:
@@ -338,6 +347,19 @@ class Program:
                 for p, step in zip(todo, pool.map(run, tasks), strict=True):
                     self._store(p, step)  # in `plans` order: deterministic `tried`
         return [self.compile(p) for p in plans]
+
+    def await_ahead(self) -> None:
+        """Wait for `compile_many`'s background compiles; raise the first one's error (where
+        `compile_many` compiling in order would have raised it)."""
+        with self._lock:
+            started = list(self._steps_ahead.items())
+        for key, ahead in started:
+            try:
+                ahead.result()
+            except BaseException:
+                with self._lock:  # raised once: a later call compiles it again, as in order
+                    self._steps_ahead.pop(key, None)
+                raise
 
     def compiling_ahead(self, plan: Plan | None) -> bool:
         """Whether `plan` is compiling in the background now (`compile_many`'s rest)."""
@@ -410,17 +432,19 @@ class Program:
 
     @property
     def compiles_ahead_unread(self) -> int:
-        """Compiles `grad_step_ahead` made under the default's compile budget that no
+        """Compiles of `jit(grad)` checks the current search started ahead that no
         `grad_step_temp` read (not in `compiles_spent`; a plan's `compiles` counts them)."""
         with self._lock:
-            return sum(self._grad_unpaid.values())
+            return sum(self._grad_unpaid.get(k, 0) for k in self._grad_started)
 
     def start_counting(self, compile_budget: int | None, lifts: bool) -> None:
-        """A search begins: `compile_budget` (`budget_lifts` with `lifts`), nothing spent."""
+        """A search begins: `compile_budget` (`budget_lifts` with `lifts`), nothing spent.
+        Checks an earlier search started and left unread stay unpaid: this search pays for
+        one it reads, as it would compile it on one thread."""
         with self._lock:
             self.compile_budget, self.compiles_spent = compile_budget, 0
             self.budget_lifts = lifts
-            self._grad_unpaid.clear()  # an earlier search's, counted by its plan
+            self._grad_started.clear()
 
     def _charge(self, n: int = 1, reserve: int = 0) -> None:
         """Count `n` whole-program compiles against `compile_budget`; raise
@@ -495,9 +519,9 @@ class Program:
         it raised); `settle` waits for every one started.
 
         Not under a compile budget the caller set: a check the search may not need would
-        take a compile from it. Under the default's (`budget_lifts`), it is charged when
-        `grad_step_temp` reads it, so that it leaves the search the same compiles; one never
-        read is counted in `compiles_ahead_unread`. (GPT-2, 6 layers, at 0.5, one idle
+        take a compile from it. Elsewhere it is charged when `grad_step_temp` reads it, so
+        that the search spends the compiles it spends on one thread; one never read is
+        counted in `compiles_ahead_unread`. (GPT-2, 6 layers, at 0.5, one idle
         2-CPU host: the check compiled during 0.8-1.3 s of planning that followed the plan.)"""
         with self._lock:
             if (task := self._grad_speculated(plan, 2)) is None:
@@ -515,8 +539,8 @@ class Program:
         """`grad_step_temp(plan)`'s compile as a task for another thread, where it may start
         before the search asks for it (plans compile in threads, `min_threads` CPUs or more,
         a step of its own not known yet, no compile budget or the default's, which leaves
-        room for it); None elsewhere. Under the default's budget it is marked unpaid (charged
-        when `grad_step_temp` reads it). Call with `_lock` held."""
+        room for it); None elsewhere. It is marked unpaid: charged when `grad_step_temp`
+        reads it. Call with `_lock` held."""
         key = self.program_key(plan)
         if not (
             self.threads_ok
@@ -528,11 +552,10 @@ class Program:
             and self.compiles_left >= self.grad_check_compiles(plan)
         ):
             return None
-        unpaid = self.compile_budget is not None
-        if unpaid:
-            self._grad_unpaid[key] = self.grad_check_compiles(plan)
+        self._grad_unpaid[key] = self.grad_check_compiles(plan)
+        self._grad_started.add(key)
         context = contextvars.copy_context()
-        return lambda: context.run(self._grad_temp, plan, not unpaid)
+        return lambda: context.run(self._grad_temp, plan, False)
 
     def settle(self) -> None:
         """Wait for the compiles started ahead (`grad_step_ahead`'s, `compile_many`'s in the
@@ -553,10 +576,12 @@ class Program:
         with self._lock:
             found = self._grad_temps.get(key)
         if found is None:
+            if charge:  # both compiles at once (with has_aux): none made that cannot count
+                self._charge(self.grad_check_compiles(plan))
             f = self.objective.step_fn(self, plan)
-            found = self._grad_only_temp(f, self.has_aux, charge)
+            found = self._grad_only_temp(f, self.has_aux, charge=False)
             if self.has_aux:  # the caller's step may drop the aux: XLA then schedules anew
-                found = max(found, self._grad_only_temp(_loss_only(f), False, charge))
+                found = max(found, self._grad_only_temp(_loss_only(f), False, charge=False))
             with self._lock:
                 self._grad_temps[key] = found
         return found
@@ -589,13 +614,16 @@ class Program:
         with self._lock:
             room = self.compiles_left >= self.step_compiles + self._step_reserve(plan)
             task = self._grad_speculated(plan, SPECULATE_THREADS) if room else None
-        if task is None:
+            ahead = None
+            if task is not None:  # a thread of its own: the one of `_submit_ahead` may be busy
+                pool = concurrent.futures.ThreadPoolExecutor(1, "jremat-compile")
+                ahead = self._grad_ahead[self.program_key(plan)] = pool.submit(task)
+                pool.shutdown(wait=False)
+        try:
             return self.compile(plan)
-        with concurrent.futures.ThreadPoolExecutor(1, "jremat-compile") as pool:
-            ahead = pool.submit(task)
-            compiled = self.compile(plan)
-            ahead.result()
-        return compiled
+        finally:
+            if ahead is not None:  # its error is raised where `grad_step_temp` reads it
+                concurrent.futures.wait([ahead])
 
     def compile_fn(
         self, f: Callable[..., Any], *, scan_flops: bool = True, figures_only: bool = True

@@ -380,12 +380,8 @@ def _search(
     # at a model budget is not the model's cheapest, which the best-first search stops on,
     # and offloading programs
     budgeted = prog.compile_budget is not None
-    best_first = (
-        verify
-        and solver in BEST_FIRST_SOLVERS
-        and offload is None
-        and (BEST_FIRST_LOOPS if prog.has_scan else budgeted)
-    )
+    searchable = _best_first_searchable(solver, verify, offload)
+    best_first = searchable and (BEST_FIRST_LOOPS if prog.has_scan else budgeted)
     # the recipe that may need no recompute: tried whenever the target is below the baseline
     # (not only where `_likely_below` guessed so), so that where the search ends does not
     # depend on the guess (byte budgets of sharded programs, a model an earlier search fitted);
@@ -393,9 +389,7 @@ def _search(
     # aimed search fewer than `RECIPE_FIRST_AIMS` plans besides it: there after that search
     # hands over (compiled up front, it would be an aimed plan fewer)
     aimed = best_first and not prog.has_scan
-    eligible = (
-        verify and (aimed or not best_first) and offload is None and solver in BEST_FIRST_SOLVERS
-    )
+    eligible = searchable and (aimed or not best_first)
     first = mixing.most_saving_plan(prog) if NO_RECOMPUTE_FIRST and eligible else None
     recipe_early = first is not None and (not aimed or _room_for_recipe(prog, prog.compiles_left))
     try:
@@ -403,20 +397,22 @@ def _search(
             planner = functools.partial(prog.planner, solver, max_cuts, offload)
             _compile_baseline(prog, spec, first, planner, background=aimed)
         base = prog.baseline
+        target = spec.temp_bytes(base.temp_bytes, base.fixed_bytes)
+        # the aimed search's first plan, planned while the recipe compiles on
+        # (`_compile_baseline`; not once it is compiled: where it is the answer, that
+        # planning would delay it)
+        ahead = aimed and recipe_early and target < base.temp_bytes
+        aim = _first_aim(prog, target, solver, max_cuts, first) if ahead else None
+        prog.await_ahead()  # the recipe: its error raised here, as where compiled in order
     except CompileBudgetSpent:
         raise
     except Exception as e:  # noqa: BLE001 - re-raised unless fn has no reverse derivative
         return _no_reverse_derivative(prog, spec, e)
-    target = spec.temp_bytes(base.temp_bytes, base.fixed_bytes)
     meta = dict(budget=spec.raw, budget_temp_bytes=int(target) if target > 0 else 0)
     if target >= base.temp_bytes:
         p = Plan.identity(prog.graph, **meta)
         p.predicted_temp_bytes = base.temp_bytes
         return prog.record(p.annotate(prog.graph), base)
-    # the aimed search's first plan, planned while the recipe compiles on (`_compile_baseline`;
-    # not once it is compiled: where it is the answer, that planning would delay it)
-    ahead = aimed and recipe_early and prog.compiling_ahead(first)
-    aim = _first_aim(prog, target, solver, max_cuts) if ahead else None
     if recipe_early and (found := _no_recompute(prog, target, first, meta, solver)):
         return found
     carried: list[tuple[Plan, Compiled]] = []  # what the best-first search compiled
@@ -481,27 +477,37 @@ def _room_for_recipe(prog: Program, left: float) -> bool:
     return left >= prog.verification_compiles() + RECIPE_FIRST_AIMS * prog.step_compiles
 
 
+def _best_first_searchable(solver: str, verify: bool, offload: OffloadCost | None) -> bool:
+    """Whether a best-first search may run first (`_search`): plans are verified, the
+    planner's plan at a model budget is its cheapest (not the heuristic planners'), and
+    nothing is offloaded."""
+    return verify and solver in BEST_FIRST_SOLVERS and offload is None
+
+
 def _first_compiled(
-    prog: Program, target: float, solver: str, max_cuts: int, offload: OffloadCost | None
-) -> set[str] | None:
-    """Program keys of the plans a call at `target` temp bytes under this compile budget
-    compiles first after the baseline, one of which it returns (or a plan that fits) where
-    it fits on both steps: the layer recipe where it compiles with the baseline, and the
-    aimed search's first plan (`predicted.first_aim`). None where the search that runs
-    first is another (a program with top-level scans, the heuristic planners, offloading,
-    a model that misreads the baseline)."""
-    if prog.has_scan or solver not in BEST_FIRST_SOLVERS or offload is not None:
+    prog: Program, solver: str, max_cuts: int, offload: OffloadCost | None
+) -> Callable[[float], set[str] | None] | None:
+    """A function of a target (temp bytes): the program keys of the plans a call at it
+    under this compile budget compiles first after the baseline, one of which it returns (or
+    a plan that fits) where it fits on both steps: the layer recipe where it compiles with
+    the baseline, and the aimed search's first plan (`predicted.first_aim`; None where there
+    is none). None where the search that runs first is another (a program with top-level
+    scans, the heuristic planners, offloading, a model that misreads the baseline)."""
+    if prog.has_scan or not _best_first_searchable(solver, True, offload):
         return None
     planner = prog.planner(solver, max_cuts, baseline_fit=True)
     if not predicted.fit_trusted(planner.model):
         return None
-    _, plan = predicted.first_aim(planner, target)
-    if plan is None or planner.model.predict(plan) is None:
-        return None
-    keys = {prog.program_key(plan)}
     recipe = mixing.most_saving_plan(prog) if NO_RECOMPUTE_FIRST else None
-    if recipe is not None and _room_for_recipe(prog, prog.compile_budget):
-        keys.add(prog.program_key(recipe))
+    with_recipe = recipe is not None and _room_for_recipe(prog, prog.compile_budget)
+    also = {prog.program_key(recipe)} if with_recipe else set()
+
+    def keys(target: float) -> set[str] | None:
+        _, plan = predicted.first_aim(planner, target)
+        if plan is None or planner.model.predict(plan) is None:
+            return None
+        return {prog.program_key(plan), *also}
+
     return keys
 
 
@@ -567,12 +573,13 @@ def _budget_spent(
     # under 3 compiles: the one plan reached 0.3303; a call there aimed at another, which
     # reached 0.3395, and so on); else the next, else the unrematerialized program (1.0)
     least = base.temp_bytes
+    first_compiled = _first_compiled(prog, solver, max_cuts, offload)
     for temp, _ in verified:
         if temp >= base.temp_bytes:  # no lower than the unrematerialized program's own
             break
         at = spec.in_caller_unit(temp, base.temp_bytes, base.fixed_bytes)
         again = parse_budget(at).temp_bytes(base.temp_bytes, base.fixed_bytes)
-        firsts = _first_compiled(prog, again, solver, max_cuts, offload)
+        firsts = None if first_compiled is None else first_compiled(again)
         if firsts is None or any(k in firsts and t <= again for t, k in verified):
             least = temp
             break
@@ -1165,10 +1172,13 @@ def _best_first(
 
 
 def _first_aim(
-    prog: Program, target: float, solver: str, max_cuts: int
+    prog: Program, target: float, solver: str, max_cuts: int, recipe: Plan
 ) -> tuple[float, Plan | None] | None:
-    """`predicted.first_aim` of the aimed search's planner at `target`, or None where that
-    search aims nothing (`predicted.fit_trusted`)."""
+    """`predicted.first_aim` of the aimed search's planner at `target` where `recipe` still
+    compiles in the background (`Program.compiling_ahead`), else None (the search plans it
+    itself); None also where that search aims nothing (`predicted.fit_trusted`)."""
+    if not prog.compiling_ahead(recipe):
+        return None
     planner = prog.planner(solver, max_cuts, baseline_fit=True)
     return predicted.first_aim(planner, target) if predicted.fit_trusted(planner.model) else None
 
