@@ -332,8 +332,10 @@ class Plan:
       target: the platform and device kind the plan was compiled for, e.g. `"cpu"` or
         `"tpu:TPU v5 lite x4"` (devices of the mesh); None when nothing was compiled.
       compiles: whole-program compiles the search that made the plan spent (each
-        `value_and_grad` or `jit(grad)` step; memoized ones not counted), bounded by
-        `compile_budget`; None where no search ran (plans loaded or built by hand).
+        `value_and_grad` or `jit(grad)` step; memoized ones not counted), bounded by an int
+        `compile_budget`; under the default's, `jit(grad)` checks compiled ahead in the
+        background that the search did not read come on top; None where no search ran
+        (plans loaded or built by hand).
       notes: free-form lines (rounds of verification, calibration).
       scans: per scan equation (its node index, as a string), how its loop is rematerialized:
         a `ScanSetting`, either one body policy for every iteration (with sqrt(L) nesting

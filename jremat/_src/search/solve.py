@@ -195,7 +195,8 @@ def plan(
         offloading plans and Flax blocks. Each `value_and_grad` and `jit(grad)` step counts
         one (with `has_aux` a `jit(grad)` check is two: with and without the aux; in a
         `shard_map` body a step is three); see docs/guides/planning-cost.md.
-        `Plan.compiles` records what was spent.
+        `Plan.compiles` records what was spent (except under an int budget, `jit(grad)`
+        checks compiled ahead in the background count where the search reads them).
 
     Returns:
       A `Plan`; `Plan.identity` when the budget is at or above the unrematerialized program,
