@@ -88,8 +88,27 @@ def _topology_devices(topology: str) -> tuple[Any, ...]:
     same topology share devices (JAX refuses arrays on two topologies' devices together)."""
     from jax.experimental import topologies
 
-    topo = topologies.get_topology_desc(platform="tpu", topology_name=topology)
+    try:
+        topo = topologies.get_topology_desc(platform="tpu", topology_name=topology)
+    except Exception as e:  # noqa: BLE001 - retried below, else re-raised as it came
+        # jax 0.10's libtpu (0.0.42) takes a topology smaller than its default host of 2x2x1
+        # chips ("v5e:1x1") only with host bounds of the topology's own size
+        dims = _topology_dims(topology)
+        if "chips_per_host_bounds" not in str(e) or dims is None:
+            raise
+        topo = topologies.get_topology_desc(
+            platform="tpu", topology_name=topology, chips_per_host_bounds=dims
+        )
     return tuple(sorted(topo.devices, key=lambda d: d.id))
+
+
+def _topology_dims(topology: str) -> tuple[int, ...] | None:
+    """The chip grid of a topology name, 3 dims ("v5e:1x1" -> (1, 1, 1)); None where the
+    name ends otherwise."""
+    parts = topology.rsplit(":", 1)[-1].split("x")
+    if not all(p.isdigit() for p in parts) or not 1 <= len(parts) <= 3:
+        return None
+    return (*map(int, parts), *[1] * (3 - len(parts)))
 
 
 def target_mesh(
