@@ -253,12 +253,7 @@ class Program:
             found = self._steps.get(key)
             ahead = self._steps_ahead.get(key)
         if found is None and ahead is not None:
-            try:
-                ahead.result()  # compiled in the background: its figures, or its error
-            except BaseException:
-                with self._lock:  # raised once: a later call compiles it again, as in order
-                    self._steps_ahead.pop(key, None)
-                raise
+            self._wait_ahead(key, ahead)  # compiled in the background: its figures, or error
             with self._lock:
                 found = self._steps[key]
         return (found or self._store(plan, self._compile_step(plan)))[0]
@@ -354,12 +349,17 @@ class Program:
         with self._lock:
             started = list(self._steps_ahead.items())
         for key, ahead in started:
-            try:
-                ahead.result()
-            except BaseException:
-                with self._lock:  # raised once: a later call compiles it again, as in order
-                    self._steps_ahead.pop(key, None)
-                raise
+            self._wait_ahead(key, ahead)
+
+    def _wait_ahead(self, key: str, ahead: concurrent.futures.Future) -> None:
+        """Wait for the background compile `ahead` of plan key `key`; where it failed, raise
+        its error once (a later call compiles the plan again, as in order)."""
+        try:
+            ahead.result()
+        except BaseException:
+            with self._lock:
+                self._steps_ahead.pop(key, None)
+            raise
 
     def compiling_ahead(self, plan: Plan | None) -> bool:
         """Whether `plan` is compiling in the background now (`compile_many`'s rest)."""
