@@ -91,16 +91,18 @@ def setup():
     return model, batch
 
 
-def temp_bytes(step, *args) -> int:
-    return MemoryFigures.of(step.lower(*args).compile()).temp_bytes
+def compiled(step, *args):
+    """(`step` compiled at `args`, its temp bytes): the executable is run as measured (a
+    `step(*args)` call after `lower().compile()` compiles once more)."""
+    exe = step.lower(*args).compile()
+    return exe, MemoryFigures.of(exe).temp_bytes
 
 
 def test_loss_fn_of_params_and_rngs_holds_on_the_callers_grad_step(setup):
     """Before issue 50, `has_aux` was refused for a function of NNX state; without it the
     function was planned as a block by the bytes it keeps, which the caller's step missed."""
     model, batch = setup
-    plain = grad_step(lambda f: f)
-    base = temp_bytes(plain, model, nnx.Rngs(2), batch)
+    plain, base = compiled(grad_step(lambda f: f), model, nnx.Rngs(2), batch)
     want = plain(model, nnx.Rngs(2), batch)
     got_temps, refused = {}, []
     for budget in (0.5, 0.3):
@@ -108,7 +110,7 @@ def test_loss_fn_of_params_and_rngs_holds_on_the_callers_grad_step(setup):
             functools.partial(jremat.auto, budget=budget, has_aux=True, plan_dir=False)
         )
         try:
-            got = temp_bytes(step, model, nnx.Rngs(2), batch)
+            step, got = compiled(step, model, nnx.Rngs(2), batch)
         except jremat.InfeasibleBudgetError as e:
             assert e.smallest_reachable > budget
             refused.append(budget)
