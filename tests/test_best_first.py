@@ -356,6 +356,35 @@ def test_the_default_budgets_search_plans_alike_on_one_two_and_four_compile_thre
         assert plan.measured_temp_bytes <= target and prog.grad_step_temp(plan) <= target
 
 
+def test_a_first_aim_that_fails_while_the_recipe_compiles_on_returns_what_one_thread_does(
+    decoder, monkeypatch
+):
+    """On 2 compile threads the default plans its first aim while the recipe compiles on in
+    the background; where that planning raises, the search returns what it returns on one
+    thread, which never plans it there: the recipe, where it fits and recomputes nothing
+    (the error is the aimed search's to raise, in order, after the recipe)."""
+    from jremat._src.compile import program
+    from jremat._src.search import mixing
+
+    probe = Program(decoder.loss, decoder.args, 0)
+    base = probe.baseline
+    recipe = mixing.most_saving_plan(probe)
+    _count_baseline_flops_for(recipe, base.flops, monkeypatch)
+    target = 1.02 * max(probe.compile(recipe).temp_bytes, probe.grad_step_temp(recipe))
+
+    def fails(planner, target):
+        raise RuntimeError("the planner failed")
+
+    monkeypatch.setattr(program, "COMPILE_THREADS", 2)
+    # the recipe still compiling when the first aim is planned (else it is never planned)
+    monkeypatch.setattr(Program, "compiling_ahead", lambda self, plan: True)
+    monkeypatch.setattr(predicted, "first_aim", fails)
+    prog = Program(decoder.loss, decoder.args, 0)
+    budget = parse_budget(target / base.temp_bytes)
+    plan = solve(prog, budget, solver=M.SOLVER, compile_budget="auto")
+    assert plan.solver == recipe.solver and plan.measured_flops == base.flops
+
+
 def test_an_aimed_search_the_default_budget_cuts_short_goes_on_without_it(
     decoder, aimed, monkeypatch
 ):

@@ -1177,11 +1177,17 @@ def _first_aim(
 ) -> tuple[float, Plan | None] | None:
     """`predicted.first_aim` of the aimed search's planner at `target` where `recipe` still
     compiles in the background (`Program.compiling_ahead`), else None (the search plans it
-    itself); None also where that search aims nothing (`predicted.fit_trusted`)."""
+    itself); None also where that search aims nothing (`predicted.fit_trusted`), and where
+    planning it fails: the error is the search's to raise in order, after the recipe that may
+    be returned first (as where nothing compiles in the background)."""
     if not prog.compiling_ahead(recipe):
         return None
-    planner = prog.planner(solver, max_cuts, baseline_fit=True)
-    return predicted.first_aim(planner, target) if predicted.fit_trusted(planner.model) else None
+    try:
+        planner = prog.planner(solver, max_cuts, baseline_fit=True)
+        trusted = predicted.fit_trusted(planner.model)
+        return predicted.first_aim(planner, target) if trusted else None
+    except Exception:  # noqa: BLE001 - planned again, and raised, by the search in order
+        return None
 
 
 #: Plans of the aimed search (`predicted.run_budgeted`, the planner's model fitted to the
