@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import jremat
+from jremat._src.compile.xla import MemoryFigures
 from jremat._src.plan.plan import KEEP, SAVE_NAMES, Plan, Segment
 from jremat._src.plan.recipes import recipe_plan
 
@@ -334,6 +335,13 @@ def assert_trees_close(got, want, rtol):
 
 
 # -- hand-made plans ----------------------------------------------------------------------------
+def compiled_step(step, *args) -> tuple[Any, int]:
+    """(`step`, a jitted function, compiled at `args`; its compiled temp bytes). Run the
+    executable as measured: a `step(*args)` call after `lower().compile()` compiles again."""
+    exe = step.lower(*args).compile()
+    return exe, MemoryFigures.of(exe).temp_bytes
+
+
 def reachable_plan(cache, name: str) -> Plan:
     """A planner plan for model `name`, for the rewrite tests.
 

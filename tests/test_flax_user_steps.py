@@ -30,6 +30,7 @@ import chex
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import models as M  # noqa: E402  (tests/ is on sys.path via conftest)
 import numpy as np
 import optax
 import pytest
@@ -37,7 +38,6 @@ from flax import nnx
 from flax.training import train_state
 
 import jremat
-from jremat._src.compile.xla import MemoryFigures
 
 VOCAB, D, HEADS, LAYERS, LENGTH, BATCH = 32, 16, 2, 2, 8, 2
 BUDGETS = (0.5, 0.3)  # 0.7 held too, measured; two budgets keep the suite short
@@ -45,13 +45,6 @@ PAD = 2  # padded positions at the end of each sequence (token 0), weighted out 
 #: each plan's compile budget: the baseline, an aimed plan or two and the check (the default
 #: spent 14 compiles, 90 s a budget, on the linen decoder: its search lifts where it runs out)
 COMPILE_BUDGET = 4
-
-
-def compiled(jitted, *args):
-    """(`jitted` compiled at `args`, its temp bytes): the executable is run as measured (a
-    `jitted(*args)` call after `lower().compile()` compiles once more)."""
-    exe = jitted.lower(*args).compile()
-    return exe, MemoryFigures.of(exe).temp_bytes
 
 
 def tokens() -> np.ndarray:
@@ -175,8 +168,8 @@ def test_linen_loss_holds_on_the_users_grad_and_train_steps(linen_setup, tmp_pat
     plan cache (the default cache is on for users; here a folder of the test's own)."""
     params, state, batch, key = linen_setup
     model = Decoder()
-    plain, base = compiled(linen_grad_step(no_remat, model), params, batch, key)
-    plain_train, base_train = compiled(linen_train_step(no_remat, model), state, batch, key)
+    plain, base = M.compiled_step(linen_grad_step(no_remat, model), params, batch, key)
+    plain_train, base_train = M.compiled_step(linen_train_step(no_remat, model), state, batch, key)
     want = plain(params, batch, key)
     want_state = plain_train(copied(state), batch, key)
 
@@ -187,9 +180,9 @@ def test_linen_loss_holds_on_the_users_grad_and_train_steps(linen_setup, tmp_pat
             plan_dir=tmp_path / str(budget),
             compile_budget=COMPILE_BUDGET,
         )
-        grads, got = compiled(linen_grad_step(wrap, model), params, batch, key)
+        grads, got = M.compiled_step(linen_grad_step(wrap, model), params, batch, key)
         chex.assert_trees_all_close(grads(params, batch, key), want, rtol=1e-5, atol=1e-6)
-        train, train_temp = compiled(linen_train_step(wrap, model), state, batch, key)
+        train, train_temp = M.compiled_step(linen_train_step(wrap, model), state, batch, key)
         # the budget is the grad step's: the donated train step also holds the gradients
         # and the update's buffers in temp, which no plan rematerializes (a whole-step byte
         # budget is `jremat.plan_training`'s); what it must keep is the grad step's saving
@@ -213,13 +206,14 @@ def test_linen_block_class_gradients_and_monotone_step(linen_setup):
     user's step stays below its unrematerialized temp and does not rise as the budget falls,
     and its gradients are exact."""
     params, _, batch, key = linen_setup
-    plain, base = compiled(linen_grad_step(no_remat, Decoder()), params, batch, key)
+    plain, base = M.compiled_step(linen_grad_step(no_remat, Decoder()), params, batch, key)
     want = plain(params, batch, key)
     temps, kept = [], []
 
     def planned(budget):
         block = jremat.auto(DecoderBlock, budget=budget, plan_dir=False)
-        step, got = compiled(linen_grad_step(no_remat, Decoder(block=block)), params, batch, key)
+        step = linen_grad_step(no_remat, Decoder(block=block))
+        step, got = M.compiled_step(step, params, batch, key)
         (plan,) = block.plan_cache.plans.values()
         return step, got, plan
 
@@ -314,12 +308,12 @@ def test_nnx_scan_over_layers_loss_holds_on_the_users_grad_step(of_module):
     t = tokens()
     batch = {"inputs": jnp.asarray(t[:, :-1]), "targets": jnp.asarray(t[:, 1:])}
     graphdef, params, rest = nnx.split(ScannedLM(nnx.Rngs(params=0, dropout=1)), nnx.Param, ...)
-    plain, base = compiled(nnx_grad_step(no_remat, graphdef, of_module), params, rest, batch)
+    plain, base = M.compiled_step(nnx_grad_step(no_remat, graphdef, of_module), params, rest, batch)
     want = plain(params, rest, batch)
 
     def temp_at(budget):
         wrap = functools.partial(jremat.auto, budget=budget, plan_dir=False)
-        step, got = compiled(nnx_grad_step(wrap, graphdef, of_module), params, rest, batch)
+        step, got = M.compiled_step(nnx_grad_step(wrap, graphdef, of_module), params, rest, batch)
         chex.assert_trees_all_close(step(params, rest, batch), want, rtol=1e-5, atol=1e-6)
         return got
 

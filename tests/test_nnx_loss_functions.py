@@ -13,12 +13,12 @@ import functools
 import chex
 import jax
 import jax.numpy as jnp
+import models as M  # noqa: E402  (tests/ is on sys.path via conftest)
 import numpy as np
 import pytest
 from flax import nnx
 
 import jremat
-from jremat._src.compile.xla import MemoryFigures
 
 VOCAB, D, LENGTH, BATCH = 64, 32, 32, 4
 
@@ -91,18 +91,11 @@ def setup():
     return model, batch
 
 
-def compiled(step, *args):
-    """(`step` compiled at `args`, its temp bytes): the executable is run as measured (a
-    `step(*args)` call after `lower().compile()` compiles once more)."""
-    exe = step.lower(*args).compile()
-    return exe, MemoryFigures.of(exe).temp_bytes
-
-
 def test_loss_fn_of_params_and_rngs_holds_on_the_callers_grad_step(setup):
     """Before issue 50, `has_aux` was refused for a function of NNX state; without it the
     function was planned as a block by the bytes it keeps, which the caller's step missed."""
     model, batch = setup
-    plain, base = compiled(grad_step(lambda f: f), model, nnx.Rngs(2), batch)
+    plain, base = M.compiled_step(grad_step(lambda f: f), model, nnx.Rngs(2), batch)
     want = plain(model, nnx.Rngs(2), batch)
     got_temps, refused = {}, []
     for budget in (0.5, 0.3):
@@ -110,7 +103,7 @@ def test_loss_fn_of_params_and_rngs_holds_on_the_callers_grad_step(setup):
             functools.partial(jremat.auto, budget=budget, has_aux=True, plan_dir=False)
         )
         try:
-            step, got = compiled(step, model, nnx.Rngs(2), batch)
+            step, got = M.compiled_step(step, model, nnx.Rngs(2), batch)
         except jremat.InfeasibleBudgetError as e:
             assert e.smallest_reachable > budget
             refused.append(budget)
