@@ -336,8 +336,9 @@ def assert_trees_close(got, want, rtol):
 
 # -- hand-made plans ----------------------------------------------------------------------------
 def compiled_step(step, *args) -> tuple[Any, int]:
-    """(`step`, a jitted function, compiled at `args`; its compiled temp bytes). Run the
-    executable as measured: a `step(*args)` call after `lower().compile()` compiles again."""
+    """(`step`, a jitted function, compiled at `args`; its compiled temp bytes): the
+    executable measured is the one a test runs (a new `jax.jit` of the same step, as a test
+    that builds its step again calls, compiles again)."""
     exe = step.lower(*args).compile()
     return exe, MemoryFigures.of(exe).temp_bytes
 

@@ -1186,7 +1186,8 @@ def _first_aim(
         planner = prog.planner(solver, max_cuts, baseline_fit=True)
         trusted = predicted.fit_trusted(planner.model)
         return predicted.first_aim(planner, target) if trusted else None
-    except Exception:  # noqa: BLE001 - planned again, and raised, by the search in order
+    except Exception as e:  # noqa: BLE001 - planned again, and raised, by the search in order
+        logger.debug("the first aim, planned while the recipe compiles, failed: %r", e)
         return None
 
 
