@@ -334,7 +334,6 @@ def assert_trees_close(got, want, rtol):
         np.testing.assert_allclose(g32, w32, rtol=rtol, atol=rtol * scale)
 
 
-# -- hand-made plans ----------------------------------------------------------------------------
 def compiled_step(step, *args) -> tuple[Any, int]:
     """(`step`, a jitted function, compiled at `args`; its compiled temp bytes): the
     executable measured is the one a test runs (a new `jax.jit` of the same step, as a test
@@ -343,6 +342,7 @@ def compiled_step(step, *args) -> tuple[Any, int]:
     return exe, MemoryFigures.of(exe).temp_bytes
 
 
+# -- hand-made plans ----------------------------------------------------------------------------
 def reachable_plan(cache, name: str) -> Plan:
     """A planner plan for model `name`, for the rewrite tests.
 
