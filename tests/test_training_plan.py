@@ -10,6 +10,7 @@ import pytest
 
 import jremat
 from jremat._src.base.args import abstract_args
+from jremat._src.training import training_plan
 from jremat._src.training.training_plan import _measure, _value_and_grad
 
 
@@ -86,6 +87,43 @@ def test_budget_below_everything_raises(mlp):
         )
     assert e.value.budget == 1000
     assert e.value.smallest_reachable > 1000
+
+
+@pytest.mark.parametrize("compile_budget", [3, None])
+def test_a_fraction_refused_under_an_int_compile_budget_leaves_the_smaller_ones(
+    mlp, monkeypatch, compile_budget
+):
+    """Under an int compile budget a remat fraction may be refused for want of compiles alone
+    (its first plan missed, no compile left to correct it) where a smaller fraction's first
+    plan fits: the smaller fractions are still planned, and a train step that fits is found.
+    Without a limit a refusal states a floor above the smaller fractions: they are skipped."""
+    loss, params, batch = mlp
+    opt = optax.sgd(1e-3)
+    args = abstract_args((params, jax.eval_shape(opt.init, params), batch))
+    plain_fp, _, _ = _measure(_value_and_grad(loss, 1, None), opt, args)
+    real, asked = training_plan.solve, []
+
+    def solve(prog, spec, **kw):
+        asked.append(spec.raw)
+        if spec.raw == 0.6:  # the refusal a search cut short by its compile budget gives
+            raise jremat.InfeasibleBudgetError(
+                "budget=0.6 is not known to hold", budget=0.6, smallest_reachable=1.0,
+                smallest_reachable_bytes=0,
+            )  # fmt: skip
+        return real(prog, spec, **{**kw, "compile_budget": None})
+
+    monkeypatch.setattr(training_plan, "solve", solve)
+    budget = int(plain_fp * 0.9)
+    kw = dict(budget=budget, optimizer=opt, candidates=[1], remat_budgets=(0.6, 0.5))
+    if compile_budget is None:
+        with pytest.raises(jremat.InfeasibleBudgetError, match="remat budgets \\[0.6, 0.5\\]"):
+            jremat.plan_training(loss, params, batch, compile_budget=None, **kw)
+        assert asked == [0.6]
+        return
+    tp = jremat.plan_training(loss, params, batch, compile_budget=compile_budget, **kw)
+    assert asked == [0.6, 0.5]
+    assert tp.plan is not None and tp.plan.budget == 0.5
+    assert tp.compiled_footprint_bytes <= budget < plain_fp
 
 
 def test_fraction_budget_is_rejected(mlp):

@@ -93,7 +93,9 @@ def check_count(name: str, value: Any) -> int:
 
 def check_compile_budget(value: Any) -> int | str | None:
     """`value` as a compile budget: "auto" (the default of `jremat.plan` and its callers),
-    None (no limit), or an int >= 1 (as `check_count`).
+    None (no limit), or an int >= 1 (as `check_count`); whether an int covers what
+    verification needs depends on the program (`Program.verification_compiles`), checked
+    where it is traced.
 
     Raises:
       TypeError: anything else (a bool, float, another string ...); the message names
@@ -102,7 +104,10 @@ def check_compile_budget(value: Any) -> int | str | None:
     """
     if value is None or (isinstance(value, str) and value == "auto"):
         return value
-    forms = '"auto" (the default), None (no limit) or an int >= 1'
+    forms = (
+        '"auto" (the default), None (no limit) or an int: at least the compiles verification '
+        "needs (3 for a plain training step; more with has_aux or in a shard_map body)"
+    )
     count = as_int("compile_budget", value)
     if count is None:
         raise TypeError(f"compile_budget must be {forms}, got {type(value).__name__} {value!r}")

@@ -32,7 +32,9 @@ class AutoOptions:
     known.
 
     Raises:
-      ValueError: an invalid budget or solver; `max_rounds` or `compile_budget` below 1.
+      ValueError: an invalid budget or solver; `max_rounds` or `compile_budget` below 1
+        (a `compile_budget` below what verification needs on the traced program is
+        raised at the first call, where the program is known).
       TypeError: `verify` or `has_aux` not a bool; `max_rounds` not an int, `compile_budget`
         not an int, "auto" or None (a bool included);
         `mesh` not a Mesh or None; `in_shardings` not one of its accepted forms; `offload`

@@ -367,7 +367,12 @@ def plan_training(
                         error=f"remat infeasible: {str(e).split(':')[0]}",
                     )
                 )
-                break  # a smaller fraction is infeasible too
+                if not isinstance(compile_budget, int):
+                    break  # a smaller fraction is infeasible too
+                # an int compile budget may refuse a fraction for want of compiles alone
+                # (the first plan missed, no compile left to correct it) where a smaller
+                # fraction's first plan fits: the next one is planned
+                continue
             if p.is_identity or plan_key(p) in seen:
                 continue
             seen.add(plan_key(p))
@@ -384,7 +389,13 @@ def plan_training(
             f"smallest compiled footprint found is {smallest:,} bytes ({smallest / 2**20:.2f} "
             f"MiB), with k={best['k']} microbatches and remat budget {rb} (tried k in {ks}, "
             f"remat budgets {list(remat_budgets)}). Raise the budget, or try more microbatches "
-            "(candidates=...) or smaller remat fractions (remat_budgets=...).",
+            "(candidates=...) or smaller remat fractions (remat_budgets=...)"
+            + (
+                f", or a larger compile_budget than {compile_budget} (each remat plan's search "
+                "may have stopped for want of compiles)."
+                if isinstance(compile_budget, int)
+                else "."
+            ),
             budget=spec.raw,
             smallest_reachable=smallest,
             smallest_reachable_bytes=best["temp_bytes"],
